@@ -1,0 +1,108 @@
+"""Refuse bad answers before anything is generated.
+
+Each problem is reported as `ERROR: <variable>: <what is wrong and what is allowed>` and the hook exits 1,
+which makes cookiecutter delete the half-made folder.
+"""
+
+import keyword
+import re
+import sys
+
+ANSWERS = {
+    "project_name": {{ cookiecutter.project_name | python_string }},
+    "project_slug": {{ cookiecutter.project_slug | python_string }},
+    "package_name": {{ cookiecutter.package_name | python_string }},
+    "author": {{ cookiecutter.author | python_string }},
+    "nnodes": {{ cookiecutter.nnodes | python_string }},
+    "nproc_per_node": {{ cookiecutter.nproc_per_node | python_string }},
+    "rdzv_port": {{ cookiecutter.rdzv_port | python_string }},
+    "max_restarts": {{ cookiecutter.max_restarts | python_string }},
+}
+
+# Names the generated project already uses at its top level, or imports, and so must not be shadowed.
+RESERVED_PACKAGE_NAMES = {"torch", "torchvision", "tests", "train", "setuptools", "pip"}
+
+
+def check_free_text(value: str) -> str | None:
+    if not value.strip():
+        return "must not be empty"
+    if any(ord(char) < 0x20 or ord(char) == 0x7F for char in value):
+        return "must be one line of text without control characters (newlines, tabs)"
+    return None
+
+
+def check_slug(value: str) -> str | None:
+    if not re.fullmatch(r"[a-z0-9][a-z0-9_-]{0,63}", value):
+        return (
+            f"{value!r} is not a safe folder name; use 1-64 lowercase letters, digits, '-' or '_', "
+            "starting with a letter or digit"
+        )
+    return None
+
+
+def check_package_name(value: str) -> str | None:
+    if len(value) > 32:
+        return f"{value!r} is longer than 32 characters; choose a shorter package name"
+    if not value.isidentifier() or not value.isascii():
+        return f"{value!r} is not a Python identifier; use lowercase letters, digits and '_', not starting with a digit"
+    if keyword.iskeyword(value):
+        return f"{value!r} is a Python keyword; choose another name"
+    if value in RESERVED_PACKAGE_NAMES or value in sys.stdlib_module_names:
+        return f"{value!r} would shadow the module of that name (torch, torchvision or the standard library); choose another name"
+    if value != value.lower():
+        return f"{value!r} has capitals; package names are lowercase (PEP 8)"
+    return None
+
+
+def check_positive_int(value: str, minimum: int = 1) -> str | None:
+    if not re.fullmatch(r"[0-9]+", value) or int(value) < minimum:
+        return f"{value!r} must be a whole number >= {minimum}"
+    return None
+
+
+def check_nnodes(value: str) -> str | None:
+    match = re.fullmatch(r"([0-9]+)(?::([0-9]+))?", value)
+    if not match:
+        return f"{value!r} must be a number of machines (e.g. 2) or an elastic range MIN:MAX (e.g. 1:4)"
+    low, high = int(match[1]), int(match[2] or match[1])
+    if low < 1 or low > high:
+        return f"{value!r} needs 1 <= MIN <= MAX"
+    return None
+
+
+def check_nproc_per_node(value: str) -> str | None:
+    if value in ("auto", "gpu", "cpu"):
+        return None
+    if check_positive_int(value) is None:
+        return None
+    return f"{value!r} must be auto, gpu, cpu or a whole number >= 1"
+
+
+def check_port(value: str) -> str | None:
+    if not re.fullmatch(r"[0-9]+", value) or not 1 <= int(value) <= 65535:
+        return f"{value!r} must be a TCP port between 1 and 65535"
+    return None
+
+
+CHECKS = {
+    "project_name": check_free_text,
+    "project_slug": check_slug,
+    "package_name": check_package_name,
+    "author": check_free_text,
+    "nnodes": check_nnodes,
+    "nproc_per_node": check_nproc_per_node,
+    "rdzv_port": check_port,
+    "max_restarts": lambda value: check_positive_int(value, minimum=0),
+}
+
+
+def main() -> int:
+    problems = [(name, check(ANSWERS[name])) for name, check in CHECKS.items()]
+    problems = [(name, problem) for name, problem in problems if problem]
+    for name, problem in problems:
+        print(f"ERROR: {name}: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+"""Test harness: launch the real train.py under real torchrun on CPU (gloo), the way a user does."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+# Small enough that a run takes seconds on 2 CPU cores, learnable enough that loss clearly falls.
+TINY_RUN = ["--data", "fake", "--fake-samples", "512", "--image-size", "16", "--batch-size", "16",
+            "--model", "resnet18", "--num-workers", "0", "--device", "cpu", "--lr", "0.005"]
+
+
+def launch(args: list[str], nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
+    """torchrun --standalone with `nproc` CPU ranks; returns the finished process with its output."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+               f"--nproc-per-node={nproc}", "train.py", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(command, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=timeout)

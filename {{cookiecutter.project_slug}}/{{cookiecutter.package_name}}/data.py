@@ -1,0 +1,121 @@
+"""Datasets and loaders: fake, cifar10 or imagefolder, sharded across ranks by a resumable sampler."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+from torchvision import datasets, transforms
+
+from .distributed import DistEnv, run_once_per_node
+from .errors import UsageError
+from .options import TrainOptions
+
+# Per-channel statistics of CIFAR-10; close enough for natural images in general.
+MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+
+
+class LearnableFakeData(Dataset):
+    """torchvision's FakeData (random images, deterministic per index) plus a faint pattern per class,
+    so a model can learn something that generalises to the held-out split: loss falls, accuracy rises."""
+
+    def __init__(self, size: int, image_size: int, num_classes: int, seed: int, held_out: bool):
+        self.images = datasets.FakeData(
+            size=size, image_size=(3, image_size, image_size), num_classes=num_classes,
+            transform=transforms.ToTensor(), random_offset=seed * 1_000_003 + (size if held_out else 0),
+        )
+        patterns = torch.Generator().manual_seed(seed)
+        self.class_patterns = torch.rand(num_classes, 3, image_size, image_size, generator=patterns)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        image, label = self.images[index]
+        return 0.5 * image + 0.5 * self.class_patterns[label], int(label)
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """DistributedSampler that can start an epoch part-way through.
+
+    The position is a count of *global* samples already consumed this epoch, so a job restarted with a
+    different number of ranks continues with exactly the samples the epoch has not seen yet.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+        self.start_sample = 0
+
+    def set_epoch(self, epoch: int, start_sample: int = 0) -> None:
+        super().set_epoch(epoch)
+        self.start_sample = start_sample
+
+    def _remaining_indices(self) -> list[int]:
+        order = torch.Generator().manual_seed(self.seed + self.epoch)
+        indices = torch.randperm(len(self.dataset), generator=order).tolist()[self.start_sample:]
+        padded_size = math.ceil(len(indices) / self.num_replicas) * self.num_replicas
+        # Like DistributedSampler: repeat a few samples so every rank gets the same number of batches.
+        return (indices * math.ceil(padded_size / max(len(indices), 1)))[:padded_size]
+
+    def __iter__(self):
+        return iter(self._remaining_indices()[self.rank::self.num_replicas])
+
+    def __len__(self) -> int:
+        return math.ceil((len(self.dataset) - self.start_sample) / self.num_replicas)
+
+
+def build_datasets(options: TrainOptions, env: DistEnv, device: torch.device) -> tuple[Dataset, Dataset]:
+    """(train, held-out) datasets for --data."""
+    if options.data == "fake":
+        return tuple(
+            LearnableFakeData(size, options.image_size, options.num_classes, options.seed, held_out)
+            for size, held_out in ((options.fake_samples, False), (max(options.fake_samples // 4, 1), True))
+        )
+    if options.data == "cifar10":
+        normalize = transforms.Compose([transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
+        augment = transforms.Compose([transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(),
+                                      normalize])
+        run_once_per_node(env, device, lambda: datasets.CIFAR10(options.data_dir, download=True),
+                          what=f"downloading CIFAR-10 into {options.data_dir}")
+        return (datasets.CIFAR10(options.data_dir, train=True, transform=augment),
+                datasets.CIFAR10(options.data_dir, train=False, transform=normalize))
+    size = options.image_size
+    augment = transforms.Compose([transforms.RandomResizedCrop(size), transforms.RandomHorizontalFlip(),
+                                  transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
+    evaluate = transforms.Compose([transforms.Resize(size), transforms.CenterCrop(size),
+                                   transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
+    root = Path(options.data_dir)
+    return (datasets.ImageFolder(root / "train", transform=augment),
+            datasets.ImageFolder(root / "val", transform=evaluate))
+
+
+def check_data_source(options: TrainOptions) -> None:
+    """Fail early, with what to do, when --data-dir cannot hold the chosen dataset."""
+    if options.data != "imagefolder":
+        return
+    root = Path(options.data_dir)
+    for split in ("train", "val"):
+        folder = root / split
+        if not folder.is_dir() or not any(child.is_dir() for child in folder.iterdir()):
+            raise UsageError(
+                f"--data-dir {root}: expected class folders in {folder} "
+                f"({folder}/<class>/<image>.jpg) for --data imagefolder")
+
+
+def build_loaders(train_set: Dataset, eval_set: Dataset, options: TrainOptions, env: DistEnv,
+                  device: torch.device) -> tuple[DataLoader, DataLoader]:
+    sampler = ResumableDistributedSampler(train_set, env.world_size, env.rank, seed=options.seed)
+    common = dict(batch_size=options.batch_size, num_workers=options.num_workers,
+                  pin_memory=device.type == "cuda", persistent_workers=options.num_workers > 0)
+    # drop_last keeps every step's batch the same size on every rank.
+    train_loader = DataLoader(train_set, sampler=sampler, drop_last=True, **common)
+    # Evaluation shards without padding, so sums and counts over ranks count every sample exactly once.
+    eval_shard = Subset(eval_set, range(env.rank, len(eval_set), env.world_size))
+    eval_loader = DataLoader(eval_shard, shuffle=False, **common)
+    if len(train_loader) == 0:
+        raise UsageError(
+            f"the training set ({len(train_set)} samples) gives no full batch of {options.batch_size} "
+            f"per rank over {env.world_size} ranks; lower --batch-size or use more data")
+    return train_loader, eval_loader

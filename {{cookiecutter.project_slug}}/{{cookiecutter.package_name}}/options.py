@@ -1,0 +1,112 @@
+"""TrainOptions: every knob of a run, one typed field each; the command line is built from the fields."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import types
+import typing
+import warnings
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .errors import UsageError
+
+
+def option(default, help: str):  # noqa: A002 - mirrors argparse's keyword
+    """A dataclass field whose help string becomes its `--help` text."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class TrainOptions:
+    data: Literal["fake", "cifar10", "imagefolder"] = option(
+        "fake", "dataset: fake (generated, learnable), cifar10 (downloaded to --data-dir), "
+        "imagefolder (--data-dir/train/<class>/*.jpg and --data-dir/val/<class>/*.jpg)")
+    data_dir: str = option("data", "where cifar10 is downloaded, or the imagefolder root")
+    fake_samples: int = option(2048, "size of the fake training set (the held-out set is a quarter of it)")
+    model: str = option("resnet18", "any torchvision classification model name, e.g. resnet50, vit_b_16")
+    image_size: int = option(32, "images are resized (imagefolder) or generated (fake) at this side length")
+    num_classes: int = option(10, "classes of the classifier head (cifar10 has 10)")
+    epochs: int = option(10, "passes over the training set")
+    max_steps: int | None = option(None, "stop after this many optimizer steps in total (default: no limit)")
+    batch_size: int = option(64, "samples per rank per step; the global batch is this times the world size")
+    lr: float = option(0.01, "learning rate of SGD with momentum 0.9")
+    seed: int = option(0, "seed for model init, data order and fake data; same on every rank")
+    ckpt_dir: str = option("checkpoints", "checkpoints go here; training resumes from the newest one")
+    ckpt_every: int = option(500, "save a checkpoint every this many optimizer steps (and at the end)")
+    keep_checkpoints: int = option(2, "keep the newest this many checkpoints, delete older ones")
+    device: Literal["auto", "cpu", "cuda"] = option(
+        "auto", "auto: cuda:LOCAL_RANK when CUDA is available, else cpu")
+    num_workers: int = option(2, "DataLoader worker processes per rank")
+    log_every: int = option(10, "log loss and throughput every this many steps (rank 0)")
+
+    def check(self) -> None:
+        """Reject values that cannot work, each with what to do instead."""
+        at_least_one = ["fake_samples", "image_size", "epochs", "batch_size", "ckpt_every",
+                        "keep_checkpoints", "log_every"]
+        for name in at_least_one:
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{flag(name)} must be >= 1, got {getattr(self, name)}")
+        if self.num_classes < 2:
+            raise UsageError(f"--num-classes must be >= 2, got {self.num_classes}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise UsageError(f"--max-steps must be >= 1 (or left out for no limit), got {self.max_steps}")
+        if self.num_workers < 0:
+            raise UsageError(f"--num-workers must be >= 0, got {self.num_workers}")
+        if not self.lr > 0:
+            raise UsageError(f"--lr must be > 0, got {self.lr}")
+
+
+def flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Train an image classifier; launch with torchrun or run_node.sh (see train.py).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    hints = typing.get_type_hints(TrainOptions)
+    for spec in dataclasses.fields(TrainOptions):
+        kind, choices = argument_type(hints[spec.name])
+        parser.add_argument(
+            f"--{flag(spec.name)}", dest=spec.name, type=kind, choices=choices, default=spec.default,
+            help=spec.metadata["help"],
+        )
+    # The deprecated torch.distributed.launch passed --local-rank; torchrun sets LOCAL_RANK instead.
+    parser.add_argument("--local-rank", dest="deprecated_local_rank", type=int,
+                        default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def argument_type(hint) -> tuple[type, list | None]:
+    """(converter, choices) for a field's annotation: int, float, str, Literal[...], or X | None."""
+    if typing.get_origin(hint) is Literal:
+        return str, list(typing.get_args(hint))
+    if typing.get_origin(hint) in (types.UnionType, typing.Union):
+        (inner,) = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        return argument_type(inner)
+    return hint, None
+
+
+def accept_underscores(argv: list[str]) -> list[str]:
+    """--batch_size 8 and --batch_size=8 mean --batch-size 8 (the old launcher's --local_rank too)."""
+    def normalize(token: str) -> str:
+        if not token.startswith("--"):
+            return token
+        name, equals, value = token.partition("=")
+        return name.replace("_", "-") + equals + value
+    return [normalize(token) for token in argv]
+
+
+def parse_options(argv: list[str] | None = None) -> TrainOptions:
+    """Parse argv into checked TrainOptions; raises UsageError on values that cannot work."""
+    namespace = vars(build_parser().parse_args(accept_underscores(sys.argv[1:] if argv is None else argv)))
+    if namespace.pop("deprecated_local_rank") is not None:
+        warnings.warn("--local-rank is ignored: torchrun sets LOCAL_RANK in the environment, which wins",
+                      stacklevel=2)
+    options = TrainOptions(**namespace)
+    options.check()
+    return options
