@@ -26,6 +26,8 @@ RESERVED_PACKAGE_NAMES = {"torch", "torchvision", "tests", "train", "setuptools"
 def check_free_text(value: str) -> str | None:
     if not value.strip():
         return "must not be empty"
+    if not any(char.isalnum() for char in value):
+        return f"{value!r} needs at least one letter or digit"
     if any(ord(char) < 0x20 or ord(char) == 0x7F for char in value):
         return "must be one line of text without control characters (newlines, tabs)"
     return None

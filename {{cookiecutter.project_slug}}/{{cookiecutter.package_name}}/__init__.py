@@ -1,3 +1,3 @@
-"""{{ cookiecutter.project_name | python_string }}: distributed training launched by torchrun."""
+"""The training package behind train.py: options, torchrun environment, data, model, checkpoints, reporting."""
 
-PROJECT_NAME = {{ cookiecutter.project_name | python_string }}
+PROJECT_NAME = {{ cookiecutter.project_name | python_string }}  # noqa: E501 - the name as given when generated

@@ -1,0 +1,48 @@
+"""Shared fixtures: bake the template once per session and drive the baked project through its CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TEMPLATE_ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent  # the one venv the suite runs in: cookiecutter, torchrun, ruff, shellcheck
+
+
+def tool_env(**extra: str) -> dict[str, str]:
+    """The environment for child processes: this venv first on PATH, one thread per rank."""
+    return {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1", **extra}
+
+
+def run(command: list[str], cwd: Path, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(command, cwd=cwd, env=tool_env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+def bake_with_cli(output_dir: Path, **answers: str) -> subprocess.CompletedProcess:
+    """Bake exactly as a user does: the cookiecutter command, no prompts, answers as key=value."""
+    command = [str(BIN / "cookiecutter"), "--no-input", "--output-dir", str(output_dir), str(TEMPLATE_ROOT),
+               *(f"{key}={value}" for key, value in answers.items())]
+    return run(command, cwd=output_dir, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def default_project(cookies_session) -> Path:
+    """The project baked with every default answer, shared by the tests that only read or run it."""
+    result = cookies_session.bake()
+    assert result.exit_code == 0, result.exception
+    return result.project_path
+
+
+@pytest.fixture(scope="session")
+def bake(cookies_session):
+    """Bake with extra answers; fails the test if baking fails."""
+    def _bake(**answers: str) -> Path:
+        result = cookies_session.bake(extra_context=answers)
+        assert result.exit_code == 0, f"baking {answers} failed: {result.exception}"
+        return result.project_path
+    return _bake

@@ -1,0 +1,55 @@
+"""Bad answers are refused by the pre-generation hook: one ERROR line naming the answer, and no folder."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from conftest import bake_with_cli
+
+INVALID_ANSWERS = [
+    ({"project_slug": "My Project"}, "project_slug", "safe folder name"),
+    ({"project_slug": "../escape"}, "project_slug", "safe folder name"),
+    ({"project_name": "   "}, "project_name", "must not be empty"),
+    ({"project_name": "two\nlines"}, "project_name", "control characters"),
+    ({"author": "tab\there"}, "author", "control characters"),
+    ({"package_name": "1abc"}, "package_name", "not a Python identifier"),
+    ({"package_name": "my-pkg"}, "package_name", "not a Python identifier"),
+    ({"package_name": "class"}, "package_name", "keyword"),
+    ({"package_name": "torch"}, "package_name", "shadow"),
+    ({"package_name": "torchvision"}, "package_name", "shadow"),
+    ({"package_name": "logging"}, "package_name", "shadow"),
+    ({"package_name": "json"}, "package_name", "shadow"),
+    ({"package_name": "MyPkg"}, "package_name", "capitals"),
+    ({"package_name": "p" * 33}, "package_name", "longer than 32"),
+    ({"rdzv_port": "0"}, "rdzv_port", "between 1 and 65535"),
+    ({"rdzv_port": "65536"}, "rdzv_port", "between 1 and 65535"),
+    ({"rdzv_port": "http"}, "rdzv_port", "between 1 and 65535"),
+    ({"nnodes": "0"}, "nnodes", "1 <= MIN <= MAX"),
+    ({"nnodes": "4:2"}, "nnodes", "1 <= MIN <= MAX"),
+    ({"nnodes": "two"}, "nnodes", "MIN:MAX"),
+    ({"nnodes": "1:"}, "nnodes", "MIN:MAX"),
+    ({"nproc_per_node": "0"}, "nproc_per_node", "auto, gpu, cpu or a whole number"),
+    ({"nproc_per_node": "tpu"}, "nproc_per_node", "auto, gpu, cpu or a whole number"),
+    ({"max_restarts": "-1"}, "max_restarts", "whole number >= 0"),
+]
+
+
+@pytest.mark.parametrize("answers, variable, message", INVALID_ANSWERS,
+                         ids=[f"{v}={next(iter(a.values()))!r}" for a, v, _ in INVALID_ANSWERS])
+def test_invalid_answer_is_refused_and_nothing_is_generated(tmp_path, answers, variable, message):
+    result = bake_with_cli(tmp_path, **answers)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR: ")]
+    assert any(line.startswith(f"ERROR: {variable}: ") and message in line for line in errors), result.stderr
+    # An answer derived from a bad one (package_name from project_slug) may be reported too, in the same form.
+    assert all(re.match(r"ERROR: [a-z_]+: \S", line) for line in errors), result.stderr
+    assert list(tmp_path.iterdir()) == [], "a refused bake must leave no folder behind"
+
+
+def test_project_name_without_any_letters_is_refused(tmp_path):
+    # No slug can be derived from "$$$"; the user is told why instead of getting an odd folder name.
+    result = bake_with_cli(tmp_path, project_name="$$$")
+    assert result.returncode != 0
+    assert "ERROR: project_name: '$$$' needs at least one letter or digit" in result.stderr
+    assert list(tmp_path.iterdir()) == []

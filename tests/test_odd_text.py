@@ -1,0 +1,55 @@
+"""Free text with quotes, shell syntax and unicode lands in every generated file as inert text."""
+
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+from conftest import run
+
+from local_extensions import markdown_text
+
+AUTHOR = "O'Brien \"the $(whoami)\" 🐍"
+
+
+@pytest.fixture(scope="module")
+def odd_project(bake, tmp_path_factory):
+    canary = tmp_path_factory.mktemp("canary") / "pwned"
+    name = f"Tom's \"\"\"DDP\"\"\" $(touch {canary}) `touch {canary}` back\\slash ünïcödé 🚀 <b>&amp;"
+    project = bake(project_name=name, author=AUTHOR)
+    return project, name, canary
+
+
+def test_odd_text_was_never_executed(odd_project):
+    _, _, canary = odd_project
+    assert not canary.exists()
+
+
+def test_odd_text_round_trips_through_toml(odd_project):
+    project, name, _ = odd_project
+    metadata = tomllib.loads((project / "pyproject.toml").read_text())["project"]
+    assert metadata["description"] == name
+    assert metadata["authors"] == [{"name": AUTHOR}]
+
+
+def test_odd_text_round_trips_through_python(odd_project):
+    project, name, _ = odd_project
+    package = next(path.parent.name for path in project.glob("*/options.py"))
+    result = run(["python", "-c", f"import {package}; print({package}.PROJECT_NAME)"], cwd=project)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.rstrip("\n") == name
+
+
+def test_odd_text_is_literal_in_markdown(odd_project):
+    project, name, _ = odd_project
+    title = (project / "README.md").read_text().splitlines()[0]
+    assert title == f"# {markdown_text(name)}"
+    assert "\\`touch" in title and "\\<b\\>" in title  # no code span, no raw HTML
+
+
+def test_odd_project_compiles_lints_and_shows_help(odd_project):
+    project, _, _ = odd_project
+    for command in (["python", "-m", "compileall", "-q", "."], ["ruff", "check", "."],
+                    ["shellcheck", "run_node.sh"], ["python", "train.py", "--help"]):
+        result = run(command, cwd=project)
+        assert result.returncode == 0, f"{command}: {result.stdout}{result.stderr}"
