@@ -60,12 +60,12 @@ def train(options: TrainOptions, env: DistEnv, device: torch.device) -> None:
                 break
         else:  # the epoch ran to its end
             progress.next_epoch()
-            eval_loss, accuracy = evaluate(model, eval_loader, device)
-            log.info("epoch %d done | eval loss %.4f | accuracy %.3f", progress.epoch, eval_loss, accuracy)
+            log.info("epoch %d done | eval loss %.4f | accuracy %.3f on %d held-out samples",
+                     progress.epoch, *evaluate(model, eval_loader, device))
 
     if progress.samples_in_epoch:  # stopped by --max-steps part-way through an epoch
-        eval_loss, accuracy = evaluate(model, eval_loader, device)
-        log.info("stopped at step %d | eval loss %.4f | accuracy %.3f", progress.step, eval_loss, accuracy)
+        log.info("stopped at step %d | eval loss %.4f | accuracy %.3f on %d held-out samples",
+                 progress.step, *evaluate(model, eval_loader, device))
     checkpointer.save(model, optimizer, progress)
 
 

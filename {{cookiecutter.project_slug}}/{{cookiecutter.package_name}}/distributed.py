@@ -161,4 +161,4 @@ def run_once_per_node(env: DistEnv, device: torch.device, action: Callable[[], N
             failure = f"{what} failed on node {env.node_rank}: {error}"
     failed = all_reduce_sum(torch.tensor([1 if failure else 0], device=device))
     if failed.item():
-        raise UsageError(failure or f"{what} failed on another node; see its log")
+        raise UsageError(failure or f"{what} failed; see the error from local rank 0 of the node that failed")

@@ -10,8 +10,9 @@ from .distributed import all_reduce_sum
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader, device: torch.device) -> tuple[float, float]:
-    """(mean loss, accuracy) on the held-out split: sums and counts reduced over ranks, not a mean of means."""
+def evaluate(model: torch.nn.Module, loader, device: torch.device) -> tuple[float, float, int]:
+    """(mean loss, accuracy, samples) on the held-out split, from sums and counts reduced over ranks
+    (not a mean of per-rank means, which is wrong when shards differ in size)."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(3, device=device, dtype=torch.float64)  # loss sum, correct, count
@@ -24,5 +25,5 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device) -> tuple[floa
     model.train(was_training)
     loss_sum, correct, count = all_reduce_sum(totals).tolist()
     if count == 0:
-        return math.nan, math.nan
-    return loss_sum / count, correct / count
+        return math.nan, math.nan, 0
+    return loss_sum / count, correct / count, int(count)

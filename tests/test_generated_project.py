@@ -1,0 +1,118 @@
+"""The generated project, driven through its own CLI: train.py and run_node.sh as a user runs them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from conftest import run
+from PIL import Image
+
+TINY = ["--data", "fake", "--image-size", "16", "--batch-size", "16", "--num-workers", "0", "--device", "cpu"]
+
+# Each bad input and the one line that must explain it.
+BAD_OPTIONS = [
+    (["--batch-size", "0"], "error: --batch-size must be >= 1, got 0"),
+    (["--lr", "-1"], "error: --lr must be > 0"),
+    (["--model", "resnet19"], "error: --model 'resnet19' is not a torchvision classification model; did you mean"),
+    (["--device", "cuda"], "error: --device cuda but no CUDA device is visible"),
+    (["--data", "imagefolder", "--data-dir", "{tmp}/missing"], "error: --data-dir {tmp}/missing: expected class"),
+    (["--data", "imagefolder", "--data-dir", "{tmp}"], "error: --data-dir {tmp}: expected class folders"),
+    (["--ckpt-dir", "{tmp}/a-file/checkpoints"], "error: --ckpt-dir {tmp}/a-file/checkpoints cannot be written"),
+    (["--fake-samples", "8"], "error: the training set (8 samples) gives no full batch of 16 per rank"),
+]
+
+
+def assert_one_error_line(result, expected: str) -> None:
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors and all(line == errors[0] for line in errors), result.stderr
+    assert errors[0].startswith(expected), result.stderr
+    assert "UsageError" not in result.stderr, "a usage error must not surface as a worker traceback"
+
+
+def test_generated_smoke_tests_pass(default_project):
+    result = run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=default_project, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"\b3 passed\b", result.stdout), result.stdout
+
+
+@pytest.mark.parametrize("args, expected", BAD_OPTIONS, ids=[" ".join(a) for a, _ in BAD_OPTIONS])
+def test_bad_option_is_one_clear_line(default_project, tmp_path, args, expected):
+    (tmp_path / "a-file").write_text("not a folder")
+    args = [arg.format(tmp=tmp_path) for arg in args]
+    result = run(["python", "train.py", *TINY, "--ckpt-dir", str(tmp_path / "ckpt"), *args], cwd=default_project)
+    assert_one_error_line(result, expected.format(tmp=tmp_path))
+
+
+def test_bad_option_under_torchrun_stops_every_rank_with_the_same_line(default_project, tmp_path):
+    result = run(["torchrun", "--standalone", "--nproc-per-node=2", "train.py", *TINY, "--model", "resnet19"],
+                 cwd=default_project)
+    assert_one_error_line(result, "error: --model 'resnet19'")
+    assert result.stderr.count("error: --model") == 2  # each rank refuses; neither waits for the other
+
+
+@pytest.mark.parametrize("environment, expected", [
+    ({"RANK": "0"}, "error: partial torchrun environment: RANK set but WORLD_SIZE, LOCAL_RANK"),
+    ({"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
+      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+     "error: inconsistent torchrun environment: RANK=2 with WORLD_SIZE=2"),
+], ids=["partial", "inconsistent"])
+def test_broken_launch_environment_is_refused(default_project, tmp_path, environment, expected):
+    result = run(["python", "train.py", *TINY, "--ckpt-dir", str(tmp_path)], cwd=default_project, **environment)
+    assert_one_error_line(result, expected)
+
+
+def test_plain_python_runs_one_process_and_ignores_old_local_rank_flag(default_project, tmp_path):
+    # The deprecated launcher's --local_rank and underscore spellings are accepted; the environment wins.
+    result = run(["python", "train.py", *TINY, "--local_rank=1", "--max_steps", "3", "--log_every", "1",
+                  "--ckpt_dir", str(tmp_path)], cwd=default_project)
+    assert result.returncode == 0, result.stderr
+    assert "--local-rank is ignored" in result.stderr
+    assert "world_size=1 nodes=1 ranks_per_node=1 backend=gloo device=cpu" in result.stderr
+    assert re.findall(r"step (\d) \| epoch", result.stderr) == ["1", "2", "3"]
+    assert (tmp_path / "step-3.pt").exists()
+
+
+def test_run_node_trains_an_epoch_and_evaluates_every_held_out_sample_once(default_project, tmp_path):
+    # 260 fake samples: 130 per rank, 8 full batches of 16. The held-out set has 260 // 4 = 65 samples,
+    # an odd number, so the two ranks' shards differ in size and a padded sampler would count one twice.
+    result = run(["./run_node.sh", *TINY, "--fake-samples", "260", "--epochs", "1", "--log-every", "4",
+                  "--ckpt-dir", str(tmp_path)], cwd=default_project, NPROC_PER_NODE="2")
+    assert result.returncode == 0, result.stderr
+    assert "world_size=2 nodes=1 ranks_per_node=2" in result.stderr
+    assert re.search(r"epoch 1 done \| eval loss \d+\.\d+ \| accuracy \d\.\d+ on 65 held-out samples", result.stderr)
+    assert sorted(path.name for path in tmp_path.glob("step-*.pt")) == ["step-8.pt"]
+
+
+def make_image_folder(root: Path, images_per_class: dict[str, int]) -> None:
+    for split, count in images_per_class.items():
+        for label, color in (("cat", (200, 30, 30)), ("dog", (30, 30, 200))):
+            folder = root / split / label
+            folder.mkdir(parents=True)
+            for index in range(count):
+                Image.new("RGB", (24, 20), color).save(folder / f"{index}.png")
+
+
+def test_imagefolder_trains_on_a_users_folder(default_project, tmp_path):
+    make_image_folder(tmp_path / "images", {"train": 4, "val": 3})
+    result = run(["python", "train.py", "--data", "imagefolder", "--data-dir", str(tmp_path / "images"),
+                  "--num-classes", "2", "--image-size", "16", "--batch-size", "4", "--epochs", "1",
+                  "--num-workers", "1", "--ckpt-dir", str(tmp_path / "ckpt")], cwd=default_project)
+    assert result.returncode == 0, result.stderr
+    assert "accuracy" in result.stderr and "on 6 held-out samples" in result.stderr
+
+
+@pytest.mark.parametrize("environment, expected", [
+    ({"NNODES": "2"}, "run_node.sh: error: NNODES=2 needs RDZV_ENDPOINT=host:port"),
+    ({"NNODES": "1:4"}, "run_node.sh: error: NNODES=1:4 needs RDZV_ENDPOINT=host:port"),
+    ({"NNODES": "two"}, "run_node.sh: error: NNODES='two' must be a number of machines"),
+    ({"NPROC_PER_NODE": "0"}, "run_node.sh: error: NPROC_PER_NODE='0' must be auto, gpu, cpu or a number"),
+    ({"MAX_RESTARTS": "many"}, "run_node.sh: error: MAX_RESTARTS='many' must be a whole number"),
+])
+def test_run_node_refuses_a_launch_that_cannot_work(default_project, environment, expected):
+    result = run(["./run_node.sh", "--max-steps", "1"], cwd=default_project, **environment)
+    assert result.returncode == 2
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(expected), result.stderr
