@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+
 from conftest import bake_with_cli
 
 INVALID_ANSWERS = [

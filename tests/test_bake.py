@@ -6,6 +6,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+
 from conftest import run
 
 DEFAULT_FILES = {

@@ -6,8 +6,9 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import run
 from PIL import Image
+
+from conftest import run
 
 TINY = ["--data", "fake", "--image-size", "16", "--batch-size", "16", "--num-workers", "0", "--device", "cpu"]
 

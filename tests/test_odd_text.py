@@ -5,8 +5,8 @@ from __future__ import annotations
 import tomllib
 
 import pytest
-from conftest import run
 
+from conftest import run
 from local_extensions import markdown_text
 
 AUTHOR = "O'Brien \"the $(whoami)\" 🐍"
