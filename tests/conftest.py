@@ -30,6 +30,15 @@ def bake_with_cli(output_dir: Path, **answers: str) -> subprocess.CompletedProce
     return run(command, cwd=output_dir, timeout=120)
 
 
+def build_wheel(project: Path, wheel_dir: Path) -> Path:
+    """Build the generated project's wheel, as `pip install .` would; returns its path."""
+    result = run(["python", "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(wheel_dir), "."],
+                 cwd=project)
+    assert result.returncode == 0, result.stdout + result.stderr
+    [wheel] = wheel_dir.glob("*.whl")
+    return wheel
+
+
 @pytest.fixture(scope="session")
 def default_project(cookies_session) -> Path:
     """The project baked with every default answer, shared by the tests that only read or run it."""

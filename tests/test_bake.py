@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
 
-from conftest import run
+from conftest import build_wheel, run
 
 DEFAULT_FILES = {
     ".gitignore", "README.md", "pyproject.toml", "run_node.sh", "train.py",
@@ -56,6 +57,12 @@ def test_generated_pyproject_asks_for_any_recent_torch(default_project):
     assert project["requires-python"] == ">=3.10"
     assert project["name"] == "ddp-training"
     assert set(project["optional-dependencies"]["dev"]) >= {"pytest>=8", "ruff>=0.5"}
+
+
+def test_generated_project_builds_a_wheel_of_its_package(default_project, tmp_path):
+    wheel = build_wheel(default_project, tmp_path)
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {f"ddp_training/{name}.py" for name in ("options", "distributed", "checkpoint")} <= set(names)
 
 
 def test_generated_project_is_lint_clean(default_project):

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import tomllib
+import zipfile
 
 import pytest
 
-from conftest import run
+from conftest import build_wheel, run
 from local_extensions import markdown_text
 
 AUTHOR = "O'Brien \"the $(whoami)\" 🐍"
@@ -53,3 +54,11 @@ def test_odd_project_compiles_lints_and_shows_help(odd_project):
                     ["shellcheck", "run_node.sh"], ["python", "train.py", "--help"]):
         result = run(command, cwd=project)
         assert result.returncode == 0, f"{command}: {result.stdout}{result.stderr}"
+
+
+def test_odd_text_survives_packaging(odd_project, tmp_path):
+    project, name, _ = odd_project
+    wheel = build_wheel(project, tmp_path)
+    with zipfile.ZipFile(wheel) as archive:
+        [metadata] = [entry for entry in archive.namelist() if entry.endswith(".dist-info/METADATA")]
+        assert f"Summary: {name}" in archive.read(metadata).decode()
