@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from .distributed import broadcast_from_main
 from .errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -142,8 +143,6 @@ class Checkpointer:
 
     def resume(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainingProgress:
         """Load the newest valid checkpoint into model and optimizer; fresh progress when there is none."""
-        from .distributed import broadcast_from_main  # local import keeps this module usable offline
-
         newest = load_newest_valid(self.ckpt_dir) if self.is_main_process else None
         chosen = broadcast_from_main(str(newest[0]) if newest else None)
         if chosen is None:

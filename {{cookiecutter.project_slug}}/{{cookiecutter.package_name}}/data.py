@@ -21,10 +21,11 @@ class LearnableFakeData(Dataset):
     """torchvision's FakeData (random images, deterministic per index) plus a faint pattern per class,
     so a model can learn something that generalises to the held-out split: loss falls, accuracy rises."""
 
-    def __init__(self, size: int, image_size: int, num_classes: int, seed: int, held_out: bool):
+    def __init__(self, size: int, image_size: int, num_classes: int, seed: int, first_index: int = 0):
+        # FakeData seeds sample i with i + random_offset: splits with disjoint index ranges share no image.
         self.images = datasets.FakeData(
             size=size, image_size=(3, image_size, image_size), num_classes=num_classes,
-            transform=transforms.ToTensor(), random_offset=seed * 1_000_003 + (size if held_out else 0),
+            transform=transforms.ToTensor(), random_offset=seed * 1_000_003 + first_index,
         )
         patterns = torch.Generator().manual_seed(seed)
         self.class_patterns = torch.rand(num_classes, 3, image_size, image_size, generator=patterns)
@@ -69,10 +70,9 @@ class ResumableDistributedSampler(DistributedSampler):
 def build_datasets(options: TrainOptions, env: DistEnv, device: torch.device) -> tuple[Dataset, Dataset]:
     """(train, held-out) datasets for --data."""
     if options.data == "fake":
-        return tuple(
-            LearnableFakeData(size, options.image_size, options.num_classes, options.seed, held_out)
-            for size, held_out in ((options.fake_samples, False), (max(options.fake_samples // 4, 1), True))
-        )
+        shape = dict(image_size=options.image_size, num_classes=options.num_classes, seed=options.seed)
+        return (LearnableFakeData(options.fake_samples, **shape),
+                LearnableFakeData(max(options.fake_samples // 4, 1), **shape, first_index=options.fake_samples))
     if options.data == "cifar10":
         normalize = transforms.Compose([transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
         augment = transforms.Compose([transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(),
