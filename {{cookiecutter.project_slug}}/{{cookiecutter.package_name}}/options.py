@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import sys
 import types
 import typing
-import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -105,8 +105,8 @@ def parse_options(argv: list[str] | None = None) -> TrainOptions:
     """Parse argv into checked TrainOptions; raises UsageError on values that cannot work."""
     namespace = vars(build_parser().parse_args(accept_underscores(sys.argv[1:] if argv is None else argv)))
     if namespace.pop("deprecated_local_rank") is not None:
-        warnings.warn("--local-rank is ignored: torchrun sets LOCAL_RANK in the environment, which wins",
-                      stacklevel=2)
+        logging.getLogger(__name__).warning(
+            "--local-rank is ignored: torchrun sets LOCAL_RANK in the environment, which wins")
     options = TrainOptions(**namespace)
     options.check()
     return options
