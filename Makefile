@@ -17,7 +17,6 @@ venv: $(INSTALLED)
 
 $(INSTALLED): requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -r requirements-dev.txt
 	touch $@
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,25 @@ def tool_env(**extra: str) -> dict[str, str]:
 
 def run(command: list[str], cwd: Path, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=cwd, env=tool_env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now, for a rendezvous endpoint on loopback."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_nodes(project: Path, node_args: list[list[str]], rdzv_id: str) -> list[str]:
+    """Run ./run_node.sh once per "machine" on loopback (NNODES = len(node_args), one rank each), every one
+    with the same environment, and return each one's output once all have exited 0."""
+    environment = tool_env(NNODES=str(len(node_args)), NPROC_PER_NODE="1",
+                           RDZV_ENDPOINT=f"127.0.0.1:{free_port()}", RDZV_ID=rdzv_id)
+    nodes = [subprocess.Popen(["./run_node.sh", *args], cwd=project, env=environment, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for args in node_args]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0] * len(nodes), outputs
+    return outputs
 
 
 def bake_with_cli(output_dir: Path, **answers: str) -> subprocess.CompletedProcess:

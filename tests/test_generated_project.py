@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import re
-import socket
-import subprocess
 from pathlib import Path
 
 import pytest
 from PIL import Image
 
-from conftest import run, tool_env
+from conftest import run, start_nodes
 
 TINY = ["--data", "fake", "--image-size", "16", "--batch-size", "16", "--num-workers", "0", "--device", "cpu"]
 
@@ -89,23 +87,13 @@ def test_run_node_trains_an_epoch_and_evaluates_every_held_out_sample_once(defau
     assert sorted(path.name for path in tmp_path.glob("step-*.pt")) == ["step-8.pt"]
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_two_nodes_with_the_same_command_form_one_job(default_project, tmp_path):
     # Two "machines" on loopback, each started with the identical run_node.sh command line and environment.
-    node_env = tool_env(NNODES="2", NPROC_PER_NODE="1", RDZV_ENDPOINT=f"127.0.0.1:{free_port()}", RDZV_ID="job-a")
-    command = ["./run_node.sh", *TINY, "--fake-samples", "256", "--max-steps", "6", "--log-every", "3",
-               "--ckpt-dir", str(tmp_path)]
-    nodes = [subprocess.Popen(command, cwd=default_project, env=node_env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
-    outputs = [node.communicate(timeout=300)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], outputs
+    args = [*TINY, "--fake-samples", "256", "--max-steps", "6", "--log-every", "3", "--ckpt-dir", str(tmp_path)]
+    outputs = start_nodes(default_project, [args, args], rdzv_id="job-a")
     assert all("rdzv_endpoint=127.0.0.1:" in output and "rdzv_id=job-a" in output for output in outputs)
     assert "world_size=2 nodes=2 ranks_per_node=1" in "".join(outputs)
+    assert "written by 1 node (shared folder)" in "".join(outputs)  # one writer, never two on one path
     assert sorted(path.name for path in tmp_path.glob("step-*.pt")) == ["step-6.pt"]
 
 

@@ -20,7 +20,14 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from {{ cookiecutter.package_name }}.checkpoint import Checkpointer, check_checkpoint_dir
 from {{ cookiecutter.package_name }}.data import build_datasets, build_loaders, check_data_source
-from {{ cookiecutter.package_name }}.distributed import DistEnv, distributed_session, select_device, wrap_model
+from {{ cookiecutter.package_name }}.distributed import (
+    EXIT_CODE_AFTER_SIGTERM,
+    DistEnv,
+    StopRequest,
+    distributed_session,
+    select_device,
+    wrap_model,
+)
 from {{ cookiecutter.package_name }}.errors import UsageError
 from {{ cookiecutter.package_name }}.evaluation import evaluate
 from {{ cookiecutter.package_name }}.model import build_model, check_model_name
@@ -36,10 +43,11 @@ def train(options: TrainOptions, env: DistEnv, device: torch.device) -> None:
     model = build_model(options.model, options.num_classes).to(device)
     ddp_model = wrap_model(model, device)  # forward/backward through ddp_model; save and evaluate `model`
     optimizer = torch.optim.SGD(model.parameters(), lr=options.lr, momentum=0.9, weight_decay=5e-4)
-    checkpointer = Checkpointer(options.ckpt_dir, options.keep_checkpoints, env.is_main_process, env.world_size)
+    checkpointer = Checkpointer(options.ckpt_dir, options.keep_checkpoints, env, device)
     progress = checkpointer.resume(model, optimizer)
     global_batch_size = options.batch_size * env.world_size
     meter = TrainingMeter(device)
+    stop_request = StopRequest(device)
 
     while not progress.finished(options.epochs, options.max_steps):
         # Mid-epoch resume: skip exactly the samples this epoch has already trained on.
@@ -56,6 +64,10 @@ def train(options: TrainOptions, env: DistEnv, device: torch.device) -> None:
                 meter.log_and_reset(progress.step, progress.epoch, optimizer.param_groups[0]["lr"])
             if progress.step % options.ckpt_every == 0:
                 checkpointer.save(model, optimizer, progress)
+            if stop_request.agreed():  # SIGTERM reached some rank: preemption, or torchrun shutting down
+                checkpointer.save(model, optimizer, progress)
+                log.info("stopped by SIGTERM after step %d; run the same command again to resume", progress.step)
+                sys.exit(EXIT_CODE_AFTER_SIGTERM)
             if progress.finished(options.epochs, options.max_steps):
                 break
         else:  # the epoch ran to its end

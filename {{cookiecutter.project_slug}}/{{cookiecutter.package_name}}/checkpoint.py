@@ -6,12 +6,13 @@ import logging
 import os
 import re
 import tempfile
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from .distributed import broadcast_from_main
+from .distributed import DistEnv, all_reduce_int, barrier, broadcast_object, sync_buffers_from_main
 from .errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -85,11 +86,18 @@ def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
+REQUIRED_KEYS = {"model", "optimizer", "step", "epoch", "samples_in_epoch", "torch_rng_state"}
+
+
 def load_newest_valid(ckpt_dir: Path) -> tuple[Path, dict] | None:
-    """The newest checkpoint that loads; unreadable ones are skipped with a warning naming them."""
-    for _, path in list_checkpoints(ckpt_dir):
+    """The newest checkpoint that loads and is complete; bad ones are skipped with a warning naming them."""
+    for step, path in list_checkpoints(ckpt_dir):
         try:
-            return path, torch.load(path, map_location="cpu", weights_only=True)
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            missing = REQUIRED_KEYS - set(state)
+            if missing or state["step"] != step:
+                raise ValueError(f"missing {sorted(missing)}" if missing else f"holds step {state['step']}")
+            return path, state
         except Exception as error:  # noqa: BLE001 - any unreadable file is skipped, loudly
             log.warning("skipping unreadable checkpoint %s (%s: %s)", path, type(error).__name__, error)
     return None
@@ -121,42 +129,71 @@ def restore_training_state(state: dict, model: torch.nn.Module,
 
 
 class Checkpointer:
-    """Saving and resuming for a data-parallel job: rank 0 writes, every rank resumes from the same file.
+    """Saving and resuming for a data-parallel job, whether or not --ckpt-dir is shared between nodes.
 
-    Assumes --ckpt-dir is one folder every node sees (a shared filesystem), as on most clusters.
+    DDP keeps every replica's parameters identical and buffers are synced from rank 0 before saving, so one
+    copy is the whole state. On a shared filesystem rank 0 alone
+    writes it; on node-local disks the first rank of each node writes its node's copy, because after a
+    restart rank 0 may land on another machine. Resuming, the ranks agree on the newest valid step any node
+    holds and the rank that holds it broadcasts it.
     """
 
-    def __init__(self, ckpt_dir: str, keep: int, is_main_process: bool, world_size: int):
+    def __init__(self, ckpt_dir: str, keep: int, env: DistEnv, device: torch.device):
         self.ckpt_dir = Path(ckpt_dir)
         self.keep = keep
-        self.is_main_process = is_main_process
-        self.world_size = world_size
+        self.env = env
+        self.device = device
+        self.last_saved_step: int | None = None
+        self.is_writer, writers = self._elect_writers()
+        log.info("checkpoints in %s, written by %d %s", self.ckpt_dir, writers,
+                 "node (shared folder)" if writers == 1 else "nodes (node-local folders)")
+
+    def _elect_writers(self) -> tuple[bool, int]:
+        """(is this rank a writer, how many writers): one per distinct storage behind --ckpt-dir.
+
+        The first rank of every node leaves a probe file; a node writes only if no lower-numbered node's
+        probe is visible to it, i.e. it is the first node on its storage. A collective: call on every rank.
+        """
+        token = broadcast_object(uuid.uuid4().hex if self.env.is_main_process else None)
+        probe = self.ckpt_dir / f".writer-probe-{token}-node{self.env.node_rank}"
+        if self.env.is_local_main_process:
+            probe.touch()
+        barrier(self.device)
+        is_writer = False
+        if self.env.is_local_main_process:
+            visible = [int(path.name.rsplit("node", 1)[1]) for path in self.ckpt_dir.glob(f".writer-probe-{token}-*")]
+            is_writer = min(visible) == self.env.node_rank
+        barrier(self.device)
+        if self.env.is_local_main_process:
+            probe.unlink()
+        writers = all_reduce_int(int(is_writer), self.device, "sum")
+        return is_writer, writers
 
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, progress: TrainingProgress) -> None:
-        # DDP keeps every replica identical, so one copy is the whole state.
-        path = checkpoint_path(self.ckpt_dir, progress.step)
-        if not self.is_main_process or path.exists():  # exists: this step was saved already
+        if progress.step == self.last_saved_step:  # e.g. the final save right after a periodic one
             return
-        save_checkpoint_atomically(training_state(model, optimizer, progress, self.world_size), path)
+        self.last_saved_step = progress.step
+        sync_buffers_from_main(model)  # a collective: every rank saves at the same steps
+        if not self.is_writer:
+            return
+        path = checkpoint_path(self.ckpt_dir, progress.step)
+        save_checkpoint_atomically(training_state(model, optimizer, progress, self.env.world_size), path)
         delete_old_checkpoints(self.ckpt_dir, self.keep)
         log.info("saved %s", path)
 
     def resume(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainingProgress:
-        """Load the newest valid checkpoint into model and optimizer; fresh progress when there is none."""
-        newest = load_newest_valid(self.ckpt_dir) if self.is_main_process else None
-        chosen = broadcast_from_main(str(newest[0]) if newest else None)
-        if chosen is None:
-            log.info("no checkpoint in %s; starting from scratch", self.ckpt_dir)
+        """Load the newest valid checkpoint any node holds into model and optimizer (a collective)."""
+        newest = load_newest_valid(self.ckpt_dir) if self.is_writer else None
+        own_step = newest[1]["step"] if newest else -1
+        best_step = all_reduce_int(own_step, self.device, "max")
+        if best_step < 0:
+            log.info("no valid checkpoint in %s; starting from scratch", self.ckpt_dir)
             return TrainingProgress()
-        if newest is not None:
-            state = newest[1]
-        else:
-            try:
-                state = torch.load(chosen, map_location="cpu", weights_only=True)
-            except FileNotFoundError:
-                raise UsageError(f"rank 0 resumes from {chosen}, which this node cannot see; "
-                                 "--ckpt-dir must be a folder shared by all nodes") from None
+        # The lowest rank holding the newest step sends it; with a shared folder that is rank 0.
+        source = all_reduce_int(self.env.rank if own_step == best_step else self.env.world_size, self.device, "min")
+        path, state = broadcast_object(newest if self.env.rank == source else None, source_rank=source)
         progress = restore_training_state(state, model, optimizer)
-        log.info("resuming from %s (step %d, epoch %d, %d samples into the epoch)",
-                 chosen, progress.step, progress.epoch, progress.samples_in_epoch)
+        self.last_saved_step = progress.step
+        log.info("resuming from %s (step %d, epoch %d, %d samples into the epoch, saved by %d ranks)",
+                 path, progress.step, progress.epoch, progress.samples_in_epoch, state["world_size"])
         return progress

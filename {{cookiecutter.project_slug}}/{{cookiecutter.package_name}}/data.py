@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import signal
 from pathlib import Path
 
 import torch
@@ -36,6 +37,25 @@ class LearnableFakeData(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         image, label = self.images[index]
         return 0.5 * image + 0.5 * self.class_patterns[label], int(label)
+
+
+class SampleLoggingDataset(Dataset):
+    """Appends every index it is asked for to a file, one per line (--sample-log).
+
+    Each line is a single O_APPEND write, so DataLoader worker processes can share the file.
+    """
+
+    def __init__(self, dataset: Dataset, log_path: Path):
+        self.dataset = dataset
+        self.log_path = log_path
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        with open(self.log_path, "a") as log_file:
+            log_file.write(f"{index}\n")
+        return self.dataset[index]
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -104,11 +124,22 @@ def check_data_source(options: TrainOptions) -> None:
                 f"({folder}/<class>/<image>.jpg) for --data imagefolder")
 
 
+def ignore_termination_signals(worker_id: int) -> None:
+    """DataLoader workers ignore SIGTERM/SIGINT sent to the whole process group (Slurm, Kubernetes, Ctrl-C):
+    the training process decides when to stop, saves, and then shuts its workers down itself."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def build_loaders(train_set: Dataset, eval_set: Dataset, options: TrainOptions, env: DistEnv,
                   device: torch.device) -> tuple[DataLoader, DataLoader]:
+    if options.sample_log:
+        Path(options.sample_log).mkdir(parents=True, exist_ok=True)
+        train_set = SampleLoggingDataset(train_set, Path(options.sample_log) / f"rank-{env.rank}.txt")
     sampler = ResumableDistributedSampler(train_set, env.world_size, env.rank, seed=options.seed)
     common = dict(batch_size=options.batch_size, num_workers=options.num_workers,
-                  pin_memory=device.type == "cuda", persistent_workers=options.num_workers > 0)
+                  pin_memory=device.type == "cuda", persistent_workers=options.num_workers > 0,
+                  worker_init_fn=ignore_termination_signals)
     # drop_last keeps every step's batch the same size on every rank.
     train_loader = DataLoader(train_set, sampler=sampler, drop_last=True, **common)
     # Evaluation shards without padding, so sums and counts over ranks count every sample exactly once.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -125,11 +126,36 @@ def wrap_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
+def sync_buffers_from_main(model: torch.nn.Module) -> None:
+    """Give every rank rank 0's buffers (e.g. BatchNorm running statistics), a collective.
+
+    DDP syncs parameters through gradients, but buffers only by broadcasting rank 0's at the start of each
+    training forward; between steps every replica holds the statistics of its own last batch. Saving or
+    evaluating needs the one canonical copy that training continues from.
+    """
+    if dist.is_initialized():
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
+
+
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum across ranks, in place; returns the tensor for chaining."""
     if dist.is_initialized():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+def all_reduce_int(value: int, device: torch.device, op: str) -> int:
+    """An integer reduced over ranks with op "sum", "max" or "min" (every rank gets the result)."""
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+    return int(tensor.item())
+
+
+def barrier(device: torch.device) -> None:
+    """Wait for every rank. An all-reduce rather than dist.barrier(), which guesses the device under NCCL."""
+    all_reduce_int(0, device, "max")
 
 
 def mean_across_ranks(value: torch.Tensor) -> float:
@@ -138,13 +164,38 @@ def mean_across_ranks(value: torch.Tensor) -> float:
     return total.item() / (dist.get_world_size() if dist.is_initialized() else 1)
 
 
-def broadcast_from_main(value):
-    """Rank 0's value of a picklable object, on every rank."""
+def broadcast_object(value, source_rank: int = 0):
+    """`source_rank`'s value of a picklable object (tensors included), on every rank."""
     if not dist.is_initialized():
         return value
     holder = [value]
-    dist.broadcast_object_list(holder, src=0)
+    dist.broadcast_object_list(holder, src=source_rank)
     return holder[0]
+
+
+# Exit status after a clean stop on SIGTERM: the shell's "terminated by SIGTERM", so a scheduler or torchrun
+# sees an interrupted job (to requeue or restart), never a finished one.
+EXIT_CODE_AFTER_SIGTERM = 128 + signal.SIGTERM
+
+
+class StopRequest:
+    """Turns SIGTERM into a stop that every rank agrees on.
+
+    Slurm and Kubernetes send SIGTERM before they kill a job, and torchrun forwards it to its workers (then
+    waits about 30 s before SIGKILL). The handler only sets a flag; the loop asks `agreed()` once per step,
+    an all-reduce, so all ranks stop after the same step and can save one consistent checkpoint.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.received = False
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.received = True
+
+    def agreed(self) -> bool:
+        return all_reduce_int(int(self.received), self.device, "max") > 0
 
 
 def run_once_per_node(env: DistEnv, device: torch.device, action: Callable[[], None], what: str) -> None:

@@ -6,13 +6,14 @@ import math
 
 import torch
 
-from .distributed import all_reduce_sum
+from .distributed import all_reduce_sum, sync_buffers_from_main
 
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, device: torch.device) -> tuple[float, float, int]:
     """(mean loss, accuracy, samples) on the held-out split, from sums and counts reduced over ranks
     (not a mean of per-rank means, which is wrong when shards differ in size)."""
+    sync_buffers_from_main(model)  # every rank evaluates with the same BatchNorm statistics
     was_training = model.training
     model.eval()
     totals = torch.zeros(3, device=device, dtype=torch.float64)  # loss sum, correct, count

@@ -41,6 +41,9 @@ class TrainOptions:
         "auto", "auto: cuda:LOCAL_RANK when CUDA is available, else cpu")
     num_workers: int = option(2, "DataLoader worker processes per rank")
     log_every: int = option(10, "log loss and throughput every this many steps (rank 0)")
+    sample_log: str | None = option(
+        None, "audit the data order: append each training-sample index this rank loads to "
+        "SAMPLE_LOG/rank-<RANK>.txt (with --num-workers 0, exactly the samples trained on)")
 
     def check(self) -> None:
         """Reject values that cannot work, each with what to do instead."""

@@ -1,0 +1,169 @@
+"""Fault tolerance of the generated project, with numbers: a killed, preempted, corrupted or resized run
+ends where an uninterrupted one does, bit for bit, and no training sample is lost or seen twice."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run, start_nodes, tool_env
+
+# 512 fake samples over 2 ranks of 16: 16 steps an epoch, so 24 steps cross an epoch boundary.
+RUN = ["--data", "fake", "--fake-samples", "512", "--image-size", "16", "--batch-size", "16", "--device", "cpu",
+       "--ckpt-every", "4", "--keep-checkpoints", "100", "--log-every", "4"]
+
+
+def torchrun(nproc: int, *args: str, max_restarts: int = 0) -> list[str]:
+    return ["torchrun", "--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+            "train.py", *RUN, *args]
+
+
+def start(command: list[str], project: Path) -> subprocess.Popen:
+    # A session of its own, so a signal can go to the whole process group, as Slurm and Kubernetes send it.
+    return subprocess.Popen(command, cwd=project, env=tool_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def wait_for(path: Path, process: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert process.poll() is None, f"exited before {path.name} appeared:\n{process.stdout.read()}"
+        assert time.monotonic() < deadline, f"{path.name} did not appear within {timeout}s"
+        time.sleep(0.05)
+
+
+def worker_pids(launcher: subprocess.Popen) -> list[int]:
+    """The training processes torchrun started (its children running train.py)."""
+    children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
+    return [int(pid) for pid in children if b"train.py" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+def checkpoint(ckpt_dir: Path, step: int) -> dict:
+    return torch.load(ckpt_dir / f"step-{step}.pt", weights_only=True)
+
+
+def assert_bitwise_equal(actual: dict, expected: dict) -> None:
+    assert actual["step"] == expected["step"]
+    assert actual["model"].keys() == expected["model"].keys()
+    for name, tensor in expected["model"].items():
+        assert torch.equal(actual["model"][name], tensor), f"model tensor {name} differs"
+    for index, buffers in expected["optimizer"]["state"].items():
+        for name, tensor in buffers.items():
+            assert torch.equal(actual["optimizer"]["state"][index][name], tensor), f"optimizer {index}.{name} differs"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(default_project, tmp_path_factory) -> Path:
+    """Checkpoints every 4 steps of a run to step 24 that nothing disturbed: the reference."""
+    ckpt_dir = tmp_path_factory.mktemp("uninterrupted")
+    result = run(torchrun(2, "--max-steps", "24", "--num-workers", "0", "--ckpt-dir", str(ckpt_dir)),
+                 cwd=default_project)
+    assert result.returncode == 0, result.stderr
+    return ckpt_dir
+
+
+def test_kill_9_of_a_worker_mid_epoch_resumes_bitwise(default_project, uninterrupted, tmp_path):
+    launcher = start(torchrun(2, "--max-steps", "24", "--num-workers", "0", "--ckpt-dir", str(tmp_path),
+                              max_restarts=1), default_project)
+    wait_for(tmp_path / "step-8.pt", launcher)
+    os.kill(worker_pids(launcher)[-1], signal.SIGKILL)
+    output = launcher.communicate(timeout=300)[0]
+    assert launcher.returncode == 0, output
+    assert "restart=1" in output and "resuming from" in output
+    assert_bitwise_equal(checkpoint(tmp_path, 24), checkpoint(uninterrupted, 24))
+
+
+def test_sigterm_to_the_job_saves_at_one_agreed_step_and_resumes_bitwise(default_project, uninterrupted, tmp_path):
+    # DataLoader workers too receive the group's SIGTERM; they must not break the save.
+    launcher = start(torchrun(2, "--max-steps", "24", "--num-workers", "2", "--ckpt-dir", str(tmp_path)),
+                     default_project)
+    wait_for(tmp_path / "step-8.pt", launcher)
+    signalled = time.monotonic()
+    os.killpg(launcher.pid, signal.SIGTERM)
+    output = launcher.communicate(timeout=120)[0]
+    stop_seconds = time.monotonic() - signalled
+    stops = [line for line in output.splitlines() if "stopped by SIGTERM after step" in line]
+    assert len(stops) == 1, output  # logged once, by rank 0, for the step all ranks agreed on
+    stopped_step = int(stops[0].split("after step ")[1].split(";")[0])
+    assert (tmp_path / f"step-{stopped_step}.pt").exists()
+    assert "DataLoader worker" not in output, output
+    assert stop_seconds < 25, f"took {stop_seconds:.1f}s; torchrun kills workers 30s after SIGTERM"
+
+    resumed = run(torchrun(2, "--max-steps", "24", "--num-workers", "2", "--ckpt-dir", str(tmp_path)),
+                  cwd=default_project)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming from {tmp_path / f'step-{stopped_step}.pt'}" in resumed.stderr
+    assert_bitwise_equal(checkpoint(tmp_path, 24), checkpoint(uninterrupted, 24))
+
+
+def test_truncated_newest_checkpoint_and_leftover_temporary_fall_back_to_previous(
+        default_project, uninterrupted, tmp_path):
+    for step in (4, 8):
+        shutil.copy(uninterrupted / f"step-{step}.pt", tmp_path)
+    newest = tmp_path / "step-8.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # a crash mid-write, not atomic
+    (tmp_path / ".step-12.pt.x1y2.tmp").write_bytes(b"interrupted write")  # what our atomic save leaves
+    result = run(torchrun(2, "--max-steps", "12", "--num-workers", "0", "--ckpt-dir", str(tmp_path)),
+                 cwd=default_project)
+    assert result.returncode == 0, result.stderr
+    assert f"skipping unreadable checkpoint {newest}" in result.stderr
+    assert f"resuming from {tmp_path / 'step-4.pt'}" in result.stderr
+    assert ".tmp" not in result.stderr
+    assert_bitwise_equal(checkpoint(tmp_path, 12), checkpoint(uninterrupted, 12))
+
+
+def test_no_valid_checkpoint_starts_from_scratch(default_project, uninterrupted, tmp_path):
+    (tmp_path / "step-4.pt").write_bytes(b"not a checkpoint")
+    result = run(torchrun(2, "--max-steps", "4", "--num-workers", "0", "--ckpt-dir", str(tmp_path)),
+                 cwd=default_project)
+    assert result.returncode == 0, result.stderr
+    assert f"skipping unreadable checkpoint {tmp_path / 'step-4.pt'}" in result.stderr
+    assert f"no valid checkpoint in {tmp_path}; starting from scratch" in result.stderr
+    assert_bitwise_equal(checkpoint(tmp_path, 4), checkpoint(uninterrupted, 4))
+
+
+def logged_indices(sample_log: Path) -> list[int]:
+    return [int(line) for path in sample_log.glob("rank-*.txt") for line in path.read_text().split()]
+
+
+def test_two_ranks_to_one_mid_epoch_loses_and_repeats_no_sample(default_project, tmp_path):
+    ckpt_dir, before, after = tmp_path / "ckpt", tmp_path / "before", tmp_path / "after"
+    two_ranks = run(torchrun(2, "--max-steps", "6", "--num-workers", "0", "--ckpt-dir", str(ckpt_dir),
+                             "--sample-log", str(before)), cwd=default_project)
+    assert two_ranks.returncode == 0, two_ranks.stderr
+    # One rank finishes the epoch: the 512 - 6 * 32 = 320 samples not yet seen, in 20 steps of 16.
+    one_rank = run(torchrun(1, "--epochs", "1", "--num-workers", "0", "--ckpt-dir", str(ckpt_dir),
+                            "--sample-log", str(after)), cwd=default_project)
+    assert one_rank.returncode == 0, one_rank.stderr
+    assert "(step 6, epoch 0, 192 samples into the epoch, saved by 2 ranks)" in one_rank.stderr
+    assert "world_size=1" in one_rank.stderr
+    seen_before, seen_after = logged_indices(before), logged_indices(after)
+    assert len(seen_before) == 192 and len(seen_after) == 320
+    assert sorted(seen_before + seen_after) == list(range(512))  # every sample once, none twice
+    assert checkpoint(ckpt_dir, 26)["epoch"] == 1
+
+
+def run_two_nodes(project: Path, ckpt_dirs: list[Path], *args: str) -> str:
+    """Two 1-rank "machines", each with its own --ckpt-dir standing for its own local disk."""
+    node_args = [[*RUN, "--num-workers", "0", "--ckpt-dir", str(ckpt_dir), *args] for ckpt_dir in ckpt_dirs]
+    return "".join(start_nodes(project, node_args, rdzv_id="node-local"))
+
+
+def test_node_local_checkpoint_folders_resume_from_whichever_node_holds_the_newest(
+        default_project, uninterrupted, tmp_path):
+    disks = [tmp_path / "node-a", tmp_path / "node-b"]
+    first = run_two_nodes(default_project, disks, "--max-steps", "8")
+    assert "written by 2 nodes (node-local folders)" in first
+    assert all((disk / "step-8.pt").exists() for disk in disks)  # each node keeps its own copy
+    shutil.rmtree(disks[0])  # one machine was replaced by a fresh one with an empty disk
+    second = run_two_nodes(default_project, disks, "--max-steps", "12")
+    assert f"resuming from {disks[1] / 'step-8.pt'}" in second
+    for disk in disks:
+        assert_bitwise_equal(checkpoint(disk, 12), checkpoint(uninterrupted, 12))
