@@ -20,15 +20,18 @@ RUN = ["--data", "fake", "--fake-samples", "512", "--image-size", "16", "--batch
        "--ckpt-every", "4", "--keep-checkpoints", "100", "--log-every", "4"]
 
 
-def torchrun(nproc: int, *args: str, max_restarts: int = 0) -> list[str]:
-    return ["torchrun", "--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-            "train.py", *RUN, *args]
+def launch(project: Path, nproc: int, *args: str, max_restarts: int = 0) -> subprocess.CompletedProcess:
+    """run_node.sh on one machine (torchrun --standalone), to completion."""
+    return run(["./run_node.sh", *RUN, *args], cwd=project, NPROC_PER_NODE=str(nproc),
+               MAX_RESTARTS=str(max_restarts))
 
 
-def start(command: list[str], project: Path) -> subprocess.Popen:
-    # A session of its own, so a signal can go to the whole process group, as Slurm and Kubernetes send it.
-    return subprocess.Popen(command, cwd=project, env=tool_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+def start(project: Path, nproc: int, *args: str, max_restarts: int = 0) -> subprocess.Popen:
+    """run_node.sh in the background. It execs torchrun, so the process is torchrun itself. A session of
+    its own lets a signal go to the whole process group, as Slurm and Kubernetes send it."""
+    environment = tool_env(NPROC_PER_NODE=str(nproc), MAX_RESTARTS=str(max_restarts))
+    return subprocess.Popen(["./run_node.sh", *RUN, *args], cwd=project, env=environment, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def wait_for(path: Path, process: subprocess.Popen, timeout: float = 180) -> None:
@@ -63,15 +66,14 @@ def assert_bitwise_equal(actual: dict, expected: dict) -> None:
 def uninterrupted(default_project, tmp_path_factory) -> Path:
     """Checkpoints every 4 steps of a run to step 24 that nothing disturbed: the reference."""
     ckpt_dir = tmp_path_factory.mktemp("uninterrupted")
-    result = run(torchrun(2, "--max-steps", "24", "--num-workers", "0", "--ckpt-dir", str(ckpt_dir)),
-                 cwd=default_project)
+    result = launch(default_project, 2, "--max-steps", "24", "--num-workers", "0", "--ckpt-dir", str(ckpt_dir))
     assert result.returncode == 0, result.stderr
     return ckpt_dir
 
 
 def test_kill_9_of_a_worker_mid_epoch_resumes_bitwise(default_project, uninterrupted, tmp_path):
-    launcher = start(torchrun(2, "--max-steps", "24", "--num-workers", "0", "--ckpt-dir", str(tmp_path),
-                              max_restarts=1), default_project)
+    launcher = start(default_project, 2, "--max-steps", "24", "--num-workers", "0", "--ckpt-dir", str(tmp_path),
+                     max_restarts=1)
     wait_for(tmp_path / "step-8.pt", launcher)
     os.kill(worker_pids(launcher)[-1], signal.SIGKILL)
     output = launcher.communicate(timeout=300)[0]
@@ -82,8 +84,7 @@ def test_kill_9_of_a_worker_mid_epoch_resumes_bitwise(default_project, uninterru
 
 def test_sigterm_to_the_job_saves_at_one_agreed_step_and_resumes_bitwise(default_project, uninterrupted, tmp_path):
     # DataLoader workers too receive the group's SIGTERM; they must not break the save.
-    launcher = start(torchrun(2, "--max-steps", "24", "--num-workers", "2", "--ckpt-dir", str(tmp_path)),
-                     default_project)
+    launcher = start(default_project, 2, "--max-steps", "24", "--num-workers", "2", "--ckpt-dir", str(tmp_path))
     wait_for(tmp_path / "step-8.pt", launcher)
     signalled = time.monotonic()
     os.killpg(launcher.pid, signal.SIGTERM)
@@ -96,8 +97,7 @@ def test_sigterm_to_the_job_saves_at_one_agreed_step_and_resumes_bitwise(default
     assert "DataLoader worker" not in output, output
     assert stop_seconds < 25, f"took {stop_seconds:.1f}s; torchrun kills workers 30s after SIGTERM"
 
-    resumed = run(torchrun(2, "--max-steps", "24", "--num-workers", "2", "--ckpt-dir", str(tmp_path)),
-                  cwd=default_project)
+    resumed = launch(default_project, 2, "--max-steps", "24", "--num-workers", "2", "--ckpt-dir", str(tmp_path))
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming from {tmp_path / f'step-{stopped_step}.pt'}" in resumed.stderr
     assert_bitwise_equal(checkpoint(tmp_path, 24), checkpoint(uninterrupted, 24))
@@ -110,8 +110,7 @@ def test_truncated_newest_checkpoint_and_leftover_temporary_fall_back_to_previou
     newest = tmp_path / "step-8.pt"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # a crash mid-write, not atomic
     (tmp_path / ".step-12.pt.x1y2.tmp").write_bytes(b"interrupted write")  # what our atomic save leaves
-    result = run(torchrun(2, "--max-steps", "12", "--num-workers", "0", "--ckpt-dir", str(tmp_path)),
-                 cwd=default_project)
+    result = launch(default_project, 2, "--max-steps", "12", "--num-workers", "0", "--ckpt-dir", str(tmp_path))
     assert result.returncode == 0, result.stderr
     assert f"skipping unreadable checkpoint {newest}" in result.stderr
     assert f"resuming from {tmp_path / 'step-4.pt'}" in result.stderr
@@ -121,8 +120,7 @@ def test_truncated_newest_checkpoint_and_leftover_temporary_fall_back_to_previou
 
 def test_no_valid_checkpoint_starts_from_scratch(default_project, uninterrupted, tmp_path):
     (tmp_path / "step-4.pt").write_bytes(b"not a checkpoint")
-    result = run(torchrun(2, "--max-steps", "4", "--num-workers", "0", "--ckpt-dir", str(tmp_path)),
-                 cwd=default_project)
+    result = launch(default_project, 2, "--max-steps", "4", "--num-workers", "0", "--ckpt-dir", str(tmp_path))
     assert result.returncode == 0, result.stderr
     assert f"skipping unreadable checkpoint {tmp_path / 'step-4.pt'}" in result.stderr
     assert f"no valid checkpoint in {tmp_path}; starting from scratch" in result.stderr
@@ -135,12 +133,12 @@ def logged_indices(sample_log: Path) -> list[int]:
 
 def test_two_ranks_to_one_mid_epoch_loses_and_repeats_no_sample(default_project, tmp_path):
     ckpt_dir, before, after = tmp_path / "ckpt", tmp_path / "before", tmp_path / "after"
-    two_ranks = run(torchrun(2, "--max-steps", "6", "--num-workers", "0", "--ckpt-dir", str(ckpt_dir),
-                             "--sample-log", str(before)), cwd=default_project)
+    two_ranks = launch(default_project, 2, "--max-steps", "6", "--num-workers", "0", "--ckpt-dir", str(ckpt_dir),
+                             "--sample-log", str(before))
     assert two_ranks.returncode == 0, two_ranks.stderr
     # One rank finishes the epoch: the 512 - 6 * 32 = 320 samples not yet seen, in 20 steps of 16.
-    one_rank = run(torchrun(1, "--epochs", "1", "--num-workers", "0", "--ckpt-dir", str(ckpt_dir),
-                            "--sample-log", str(after)), cwd=default_project)
+    one_rank = launch(default_project, 1, "--epochs", "1", "--num-workers", "0", "--ckpt-dir", str(ckpt_dir),
+                            "--sample-log", str(after))
     assert one_rank.returncode == 0, one_rank.stderr
     assert "(step 6, epoch 0, 192 samples into the epoch, saved by 2 ranks)" in one_rank.stderr
     assert "world_size=1" in one_rank.stderr

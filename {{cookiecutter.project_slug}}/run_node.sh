@@ -31,6 +31,11 @@ fail() {
 [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]] || fail "MAX_RESTARTS='$MAX_RESTARTS' must be a whole number"
 MAX_NODES="${NNODES#*:}"
 
+# torchrun >= 2.5 shares its rendezvous TCPStore with the workers and keeps it across restarts, so a
+# restarted worker can read its dead predecessor's process-group keys and hang or fail to connect
+# (pytorch/pytorch#135712). A fresh store per restart avoids that.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
+
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
 if [[ -z "$RDZV_ENDPOINT" ]]; then

@@ -4,6 +4,7 @@
     python train.py --max-steps 50                        # one plain process, for debugging
     ./run_node.sh --epochs 5                              # all GPUs (or CPU ranks) of this machine
     NNODES=2 RDZV_ENDPOINT=node0:{{ cookiecutter.rdzv_port }} ./run_node.sh --epochs 5   # same on each machine
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1   # by hand: restarts can hang without it (run_node.sh sets it)
     torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d \\
         --rdzv-endpoint=node0:{{ cookiecutter.rdzv_port }} --rdzv-id=job1 train.py --epochs 5
 
@@ -32,11 +33,18 @@ from {{ cookiecutter.package_name }}.errors import UsageError
 from {{ cookiecutter.package_name }}.evaluation import evaluate
 from {{ cookiecutter.package_name }}.model import build_model, check_model_name
 from {{ cookiecutter.package_name }}.options import TrainOptions, parse_options
-from {{ cookiecutter.package_name }}.reporting import TrainingMeter, describe_job, log, setup_logging
+from {{ cookiecutter.package_name }}.reporting import (
+    TrainingMeter,
+    describe_job,
+    log,
+    setup_logging,
+    warn_about_launch_pitfalls,
+)
 
 
 def train(options: TrainOptions, env: DistEnv, device: torch.device) -> None:
     log.info("%s", describe_job(env, device))
+    warn_about_launch_pitfalls(env)
     torch.manual_seed(options.seed)
     train_set, eval_set = build_datasets(options, env, device)
     train_loader, eval_loader = build_loaders(train_set, eval_set, options, env, device)

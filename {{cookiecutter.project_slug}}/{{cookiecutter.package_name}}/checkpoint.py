@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import tempfile
+import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -176,10 +177,11 @@ class Checkpointer:
         sync_buffers_from_main(model)  # a collective: every rank saves at the same steps
         if not self.is_writer:
             return
+        started = time.perf_counter()
         path = checkpoint_path(self.ckpt_dir, progress.step)
         save_checkpoint_atomically(training_state(model, optimizer, progress, self.env.world_size), path)
         delete_old_checkpoints(self.ckpt_dir, self.keep)
-        log.info("saved %s", path)
+        log.info("saved %s in %.2f s", path, time.perf_counter() - started)
 
     def resume(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainingProgress:
         """Load the newest valid checkpoint any node holds into model and optimizer (a collective)."""

@@ -36,6 +36,8 @@ class DistEnv:
     restart_count: int = 0  # TORCHELASTIC_RESTART_COUNT: how often torchrun has restarted the group
     run_id: str = "local"  # TORCHELASTIC_RUN_ID: the rendezvous id, identical on every node
     launched_by_torchrun: bool = False
+    # TORCHELASTIC_USE_AGENT_STORE: torchrun's store outlives restarts (see run_node.sh, pytorch#135712).
+    store_shared_across_restarts: bool = False
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> DistEnv:
@@ -57,6 +59,7 @@ class DistEnv:
             local_rank=numbers["LOCAL_RANK"], local_world_size=numbers["LOCAL_WORLD_SIZE"],
             node_rank=numbers["GROUP_RANK"], restart_count=restart_count,
             run_id=environ.get("TORCHELASTIC_RUN_ID", "none"), launched_by_torchrun=True,
+            store_shared_across_restarts=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         )
         env.check_consistent()
         return env

@@ -17,8 +17,14 @@ def setup_logging(env: DistEnv) -> None:
     prefix = "" if env.is_main_process else f"[rank {env.rank}] "
     logging.basicConfig(
         level=logging.INFO if env.is_main_process else logging.WARNING,
-        format=f"%(asctime)s {prefix}%(message)s", datefmt="%H:%M:%S", force=True,
+        format=f"%(asctime)s.%(msecs)03d {prefix}%(message)s", datefmt="%H:%M:%S", force=True,
     )
+
+
+def warn_about_launch_pitfalls(env: DistEnv) -> None:
+    if env.store_shared_across_restarts and env.is_main_process:
+        log.warning("torchrun shares its TCPStore across restarts, so a restarted group may hang "
+                    "(pytorch/pytorch#135712); launch with run_node.sh, or export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
 
 
 def describe_job(env: DistEnv, device: torch.device) -> str:
