@@ -109,13 +109,23 @@ def test_truncated_newest_checkpoint_and_leftover_temporary_fall_back_to_previou
         shutil.copy(uninterrupted / f"step-{step}.pt", tmp_path)
     newest = tmp_path / "step-8.pt"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # a crash mid-write, not atomic
-    (tmp_path / ".step-12.pt.x1y2.tmp").write_bytes(b"interrupted write")  # what our atomic save leaves
+    leftover = tmp_path / ".step-12.pt.x1y2.tmp"
+    leftover.write_bytes(b"interrupted write")  # what our atomic save leaves when killed mid-write
     result = launch(default_project, 2, "--max-steps", "12", "--num-workers", "0", "--ckpt-dir", str(tmp_path))
     assert result.returncode == 0, result.stderr
     assert f"skipping unreadable checkpoint {newest}" in result.stderr
     assert f"resuming from {tmp_path / 'step-4.pt'}" in result.stderr
-    assert ".tmp" not in result.stderr
+    assert f"removed {leftover}, left by a save that was interrupted" in result.stderr
+    assert not leftover.exists()
     assert_bitwise_equal(checkpoint(tmp_path, 12), checkpoint(uninterrupted, 12))
+
+
+def test_checkpoint_of_another_model_is_refused_with_one_line(default_project, uninterrupted, tmp_path):
+    shutil.copy(uninterrupted / "step-4.pt", tmp_path)
+    result = launch(default_project, 1, "--max-steps", "8", "--model", "resnet34", "--ckpt-dir", str(tmp_path))
+    assert result.returncode != 0
+    assert f"error: {tmp_path / 'step-4.pt'} does not fit this model or optimizer" in result.stderr
+    assert "UsageError" not in result.stderr and "[rank0]: Traceback" not in result.stderr
 
 
 def test_no_valid_checkpoint_starts_from_scratch(default_project, uninterrupted, tmp_path):

@@ -45,6 +45,7 @@ from {{ cookiecutter.package_name }}.reporting import (
 def train(options: TrainOptions, env: DistEnv, device: torch.device) -> None:
     log.info("%s", describe_job(env, device))
     warn_about_launch_pitfalls(env)
+    stop_request = StopRequest(device)  # from here on, SIGTERM means "save and stop at the next step"
     torch.manual_seed(options.seed)
     train_set, eval_set = build_datasets(options, env, device)
     train_loader, eval_loader = build_loaders(train_set, eval_set, options, env, device)
@@ -55,7 +56,6 @@ def train(options: TrainOptions, env: DistEnv, device: torch.device) -> None:
     progress = checkpointer.resume(model, optimizer)
     global_batch_size = options.batch_size * env.world_size
     meter = TrainingMeter(device)
-    stop_request = StopRequest(device)
 
     while not progress.finished(options.epochs, options.max_steps):
         # Mid-epoch resume: skip exactly the samples this epoch has already trained on.

@@ -148,6 +148,14 @@ class Checkpointer:
         self.is_writer, writers = self._elect_writers()
         log.info("checkpoints in %s, written by %d %s", self.ckpt_dir, writers,
                  "node (shared folder)" if writers == 1 else "nodes (node-local folders)")
+        if self.is_writer:
+            self._remove_interrupted_saves()
+
+    def _remove_interrupted_saves(self) -> None:
+        # Only this rank writes here, and it is not saving yet: any temporary file is a dead save's.
+        for leftover in self.ckpt_dir.glob(".step-*.pt.*.tmp"):
+            leftover.unlink(missing_ok=True)
+            log.warning("removed %s, left by a save that was interrupted", leftover)
 
     def _elect_writers(self) -> tuple[bool, int]:
         """(is this rank a writer, how many writers): one per distinct storage behind --ckpt-dir.
@@ -194,7 +202,12 @@ class Checkpointer:
         # The lowest rank holding the newest step sends it; with a shared folder that is rank 0.
         source = all_reduce_int(self.env.rank if own_step == best_step else self.env.world_size, self.device, "min")
         path, state = broadcast_object(newest if self.env.rank == source else None, source_rank=source)
-        progress = restore_training_state(state, model, optimizer)
+        try:
+            progress = restore_training_state(state, model, optimizer)
+        except (RuntimeError, ValueError, KeyError) as error:
+            first_line = str(error).strip().splitlines()[0]
+            raise UsageError(f"{path} does not fit this model or optimizer ({first_line}); "
+                             "use another --ckpt-dir, or the options it was trained with") from None
         self.last_saved_step = progress.step
         log.info("resuming from %s (step %d, epoch %d, %d samples into the epoch, saved by %d ranks)",
                  path, progress.step, progress.epoch, progress.samples_in_epoch, state["world_size"])
