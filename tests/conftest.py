@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -41,6 +42,20 @@ def start_nodes(project: Path, node_args: list[list[str]], rdzv_id: str) -> list
     outputs = [node.communicate(timeout=300)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0] * len(nodes), outputs
     return outputs
+
+
+def make_image_folder(root: Path, images_per_split: dict[str, int]) -> None:
+    """root/<split>/{cat,dog}/<n>.png: small noise images, so crops and flips change what the model sees."""
+    from PIL import Image
+
+    generator = random.Random(0)
+    for split, count in images_per_split.items():
+        for label in ("cat", "dog"):
+            folder = root / split / label
+            folder.mkdir(parents=True)
+            for index in range(count):
+                pixels = bytes(generator.randrange(256) for _ in range(24 * 20 * 3))
+                Image.frombytes("RGB", (24, 20), pixels).save(folder / f"{index}.png")
 
 
 def bake_with_cli(output_dir: Path, **answers: str) -> subprocess.CompletedProcess:

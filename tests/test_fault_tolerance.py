@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run, start_nodes, tool_env
+from conftest import make_image_folder, run, start_nodes, tool_env
 
 # 512 fake samples over 2 ranks of 16: 16 steps an epoch, so 24 steps cross an epoch boundary.
 RUN = ["--data", "fake", "--fake-samples", "512", "--image-size", "16", "--batch-size", "16", "--device", "cpu",
@@ -101,6 +101,23 @@ def test_sigterm_to_the_job_saves_at_one_agreed_step_and_resumes_bitwise(default
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming from {tmp_path / f'step-{stopped_step}.pt'}" in resumed.stderr
     assert_bitwise_equal(checkpoint(tmp_path, 24), checkpoint(uninterrupted, 24))
+
+
+def test_random_augmentation_is_redrawn_identically_after_a_resume(default_project, tmp_path):
+    # imagefolder trains with random crops and flips: 12 images, batch 4, one rank: 3 steps an epoch.
+    make_image_folder(tmp_path / "images", {"train": 6, "val": 2})
+    images = ["--data", "imagefolder", "--data-dir", str(tmp_path / "images"), "--num-classes", "2",
+              "--batch-size", "4", "--ckpt-every", "1"]
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    assert launch(default_project, 1, *images, "--max-steps", "5", "--num-workers", "0",
+                  "--ckpt-dir", str(reference)).returncode == 0
+    # Stopped mid-epoch, then resumed with another number of DataLoader workers.
+    for max_steps, workers in (("2", "0"), ("5", "2")):
+        result = launch(default_project, 1, *images, "--max-steps", max_steps, "--num-workers", workers,
+                        "--ckpt-dir", str(resumed))
+        assert result.returncode == 0, result.stderr
+    assert "resuming from" in result.stderr
+    assert_bitwise_equal(checkpoint(resumed, 5), checkpoint(reference, 5))
 
 
 def test_truncated_newest_checkpoint_and_leftover_temporary_fall_back_to_previous(

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
-from PIL import Image
 
-from conftest import run, start_nodes
+from conftest import make_image_folder, run, start_nodes
 
 TINY = ["--data", "fake", "--image-size", "16", "--batch-size", "16", "--num-workers", "0", "--device", "cpu"]
 
@@ -95,15 +93,6 @@ def test_two_nodes_with_the_same_command_form_one_job(default_project, tmp_path)
     assert "world_size=2 nodes=2 ranks_per_node=1" in "".join(outputs)
     assert "written by 1 node (shared folder)" in "".join(outputs)  # one writer, never two on one path
     assert sorted(path.name for path in tmp_path.glob("step-*.pt")) == ["step-6.pt"]
-
-
-def make_image_folder(root: Path, images_per_class: dict[str, int]) -> None:
-    for split, count in images_per_class.items():
-        for label, color in (("cat", (200, 30, 30)), ("dog", (30, 30, 200))):
-            folder = root / split / label
-            folder.mkdir(parents=True)
-            for index in range(count):
-                Image.new("RGB", (24, 20), color).save(folder / f"{index}.png")
 
 
 def test_imagefolder_trains_on_a_users_folder(default_project, tmp_path):

@@ -39,8 +39,30 @@ class LearnableFakeData(Dataset):
         return 0.5 * image + 0.5 * self.class_patterns[label], int(label)
 
 
+class SeededSampleDataset(Dataset):
+    """Makes a sample's random augmentation a function of (seed, epoch, index) alone.
+
+    The sampler hands out (epoch, index) keys. Seeding per sample means a resumed run, a different number of
+    ranks or of DataLoader workers all draw the same crops and flips for the same sample, which is what
+    makes resuming exact for augmented data too.
+    """
+
+    def __init__(self, dataset: Dataset, seed: int):
+        self.dataset = dataset
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]):
+        epoch, index = key
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(((self.seed * 1_000_003 + epoch) * 1_000_033 + index) % 2**63)
+            return self.dataset[index]
+
+
 class SampleLoggingDataset(Dataset):
-    """Appends every index it is asked for to a file, one per line (--sample-log).
+    """Appends the index of every sample it is asked for to a file, one per line (--sample-log).
 
     Each line is a single O_APPEND write, so DataLoader worker processes can share the file.
     """
@@ -52,10 +74,10 @@ class SampleLoggingDataset(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, key: tuple[int, int]):
         with open(self.log_path, "a") as log_file:
-            log_file.write(f"{index}\n")
-        return self.dataset[index]
+            log_file.write(f"{key[1]}\n")
+        return self.dataset[key]
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -81,7 +103,8 @@ class ResumableDistributedSampler(DistributedSampler):
         return (indices * math.ceil(padded_size / max(len(indices), 1)))[:padded_size]
 
     def __iter__(self):
-        return iter(self._remaining_indices()[self.rank::self.num_replicas])
+        # (epoch, index) keys, for SeededSampleDataset.
+        return iter((self.epoch, index) for index in self._remaining_indices()[self.rank::self.num_replicas])
 
     def __len__(self) -> int:
         return math.ceil((len(self.dataset) - self.start_sample) / self.num_replicas)
@@ -133,6 +156,7 @@ def ignore_termination_signals(worker_id: int) -> None:
 
 def build_loaders(train_set: Dataset, eval_set: Dataset, options: TrainOptions, env: DistEnv,
                   device: torch.device) -> tuple[DataLoader, DataLoader]:
+    train_set = SeededSampleDataset(train_set, options.seed)
     if options.sample_log:
         Path(options.sample_log).mkdir(parents=True, exist_ok=True)
         train_set = SampleLoggingDataset(train_set, Path(options.sample_log) / f"rank-{env.rank}.txt")
