@@ -12,6 +12,9 @@
 #   RDZV_ENDPOINT   host[:port] of one machine of the job, the same for all (port default {{ cookiecutter.rdzv_port }})
 #   RDZV_ID         job id, the same on all machines; another id makes another job (default $SLURM_JOB_ID or {{ cookiecutter.project_slug }})
 #   MAX_RESTARTS    times torchrun restarts the worker group after a failure (default {{ cookiecutter.max_restarts }})
+#   RDZV_TIMEOUT    seconds to wait for all machines to join before giving up (default 900)
+#   GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME   network interface for gloo / NCCL (default: the one toward
+#                   RDZV_ENDPOINT, found with `ip route get`)
 set -euo pipefail
 
 NNODES="${NNODES:-{{ cookiecutter.nnodes }}}"
@@ -19,6 +22,7 @@ NPROC_PER_NODE="${NPROC_PER_NODE:-{{ cookiecutter.nproc_per_node }}}"
 RDZV_ENDPOINT="${RDZV_ENDPOINT:-}"
 RDZV_ID="${RDZV_ID:-${SLURM_JOB_ID:-{{ cookiecutter.project_slug }}}}"
 MAX_RESTARTS="${MAX_RESTARTS:-{{ cookiecutter.max_restarts }}}"
+RDZV_TIMEOUT="${RDZV_TIMEOUT:-900}"
 DEFAULT_RDZV_PORT="{{ cookiecutter.rdzv_port }}"
 
 fail() {
@@ -29,6 +33,7 @@ fail() {
 [[ "$NNODES" =~ ^[1-9][0-9]*(:[1-9][0-9]*)?$ ]] || fail "NNODES='$NNODES' must be a number of machines (2) or MIN:MAX (1:4)"
 [[ "$NPROC_PER_NODE" =~ ^(auto|gpu|cpu|[1-9][0-9]*)$ ]] || fail "NPROC_PER_NODE='$NPROC_PER_NODE' must be auto, gpu, cpu or a number"
 [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]] || fail "MAX_RESTARTS='$MAX_RESTARTS' must be a whole number"
+[[ "$RDZV_TIMEOUT" =~ ^[1-9][0-9]*$ ]] || fail "RDZV_TIMEOUT='$RDZV_TIMEOUT' must be a number of seconds"
 MAX_NODES="${NNODES#*:}"
 
 # torchrun >= 2.5 shares its rendezvous TCPStore with the workers and keeps it across restarts, so a
@@ -50,7 +55,52 @@ fi
 if [[ "$RDZV_ENDPOINT" != *:* ]]; then
   RDZV_ENDPOINT="$RDZV_ENDPOINT:$DEFAULT_RDZV_PORT"
 fi
-echo "run_node.sh: nnodes=$NNODES nproc_per_node=$NPROC_PER_NODE rdzv_endpoint=$RDZV_ENDPOINT rdzv_id=$RDZV_ID max_restarts=$MAX_RESTARTS" >&2
+ENDPOINT_HOST="${RDZV_ENDPOINT%:*}"
+ENDPOINT_PORT="${RDZV_ENDPOINT##*:}"
+if [[ ! "$ENDPOINT_PORT" =~ ^[0-9]+$ ]] || (( ENDPOINT_PORT < 1 || ENDPOINT_PORT > 65535 )); then
+  fail "RDZV_ENDPOINT='$RDZV_ENDPOINT' needs a port between 1 and 65535"
+fi
+ENDPOINT_IP="$(getent ahostsv4 "$ENDPOINT_HOST" | awk 'NR == 1 { print $1 }' || true)"
+[[ -n "$ENDPOINT_IP" ]] || fail "RDZV_ENDPOINT host '$ENDPOINT_HOST' does not resolve here; use its IP address or a name every machine resolves"
+
+# torchrun guesses from this machine's hostname whether it hosts the rendezvous store and what address
+# the others should use. In containers and on hosts with several networks the hostname often resolves
+# elsewhere: then no machine hosts the store (a hang) or MASTER_ADDR is unreachable. So decide here, from
+# the route toward the endpoint: its source address is ours, and a "local" route means we are the endpoint.
+RDZV_CONF="join_timeout=$RDZV_TIMEOUT"
+LOCAL_ADDR_ARGS=()
+DETECTED="address detection skipped (loopback endpoint: all nodes on this machine)"
+if [[ "$ENDPOINT_IP" != 127.* ]]; then
+  command -v ip >/dev/null || fail "the 'ip' command (iproute2) is needed to find this machine's address toward $ENDPOINT_HOST"
+  ROUTE="$(ip -o route get "$ENDPOINT_IP")" || fail "no route from this machine to $ENDPOINT_HOST ($ENDPOINT_IP)"
+  read -r -a ROUTE_WORDS <<<"$ROUTE"
+  LOCAL_ADDR="" INTERFACE="" PREVIOUS=""
+  for WORD in "${ROUTE_WORDS[@]}"; do
+    case "$PREVIOUS" in
+      src) LOCAL_ADDR="$WORD" ;;
+      dev) INTERFACE="$WORD" ;;
+    esac
+    PREVIOUS="$WORD"
+  done
+  IS_HOST=0
+  if [[ "${ROUTE_WORDS[0]}" == local ]]; then
+    IS_HOST=1
+    LOCAL_ADDR="$ENDPOINT_IP"
+    # The local route goes through lo; the others reach us on the interface that holds the address.
+    INTERFACE="$(ip -o addr show to "$ENDPOINT_IP" | awk 'NR == 1 { print $2 }')"
+    if (exec 3<>"/dev/tcp/$ENDPOINT_IP/$ENDPOINT_PORT") 2>/dev/null; then
+      fail "port $ENDPOINT_PORT is already taken on this machine ($ENDPOINT_IP), the rendezvous endpoint; another job may be using it: choose another port in RDZV_ENDPOINT"
+    fi
+  fi
+  [[ -n "$LOCAL_ADDR" && -n "$INTERFACE" ]] || fail "could not tell this machine's address toward $ENDPOINT_IP from: $ROUTE"
+  export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-$INTERFACE}"
+  export NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-$INTERFACE}"
+  RDZV_CONF="is_host=$IS_HOST,$RDZV_CONF"
+  LOCAL_ADDR_ARGS=(--local-addr="$LOCAL_ADDR")
+  DETECTED="this_host=$LOCAL_ADDR is_endpoint=$IS_HOST gloo_ifname=$GLOO_SOCKET_IFNAME nccl_ifname=$NCCL_SOCKET_IFNAME"
+fi
+
+echo "run_node.sh: nnodes=$NNODES nproc_per_node=$NPROC_PER_NODE rdzv_endpoint=$RDZV_ENDPOINT ($ENDPOINT_IP) rdzv_id=$RDZV_ID max_restarts=$MAX_RESTARTS rdzv_timeout=${RDZV_TIMEOUT}s $DETECTED" >&2
 exec torchrun --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
-  --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="$RDZV_ID" \
-  --max-restarts="$MAX_RESTARTS" train.py "$@"
+  --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="$RDZV_ID" --rdzv-conf="$RDZV_CONF" \
+  "${LOCAL_ADDR_ARGS[@]}" --max-restarts="$MAX_RESTARTS" train.py "$@"

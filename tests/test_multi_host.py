@@ -1,0 +1,95 @@
+"""Two real hosts: Linux network namespaces with their own addresses, joined by a bridge, each running the
+generated run_node.sh unchanged. The hostname resolves to neither address, as in containers, so this is
+where torchrun's own guesses (store host, MASTER_ADDR) go wrong and run_node.sh's must be right."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import require, tool_env
+
+SUBNET = "10.213.77"  # private, used only inside the namespaces this module creates
+TINY = ["--data", "fake", "--fake-samples", "256", "--image-size", "16", "--batch-size", "16",
+        "--num-workers", "0", "--device", "cpu", "--log-every", "2"]
+
+pytestmark = require(os.geteuid() == 0 and shutil.which("ip") is not None,
+                     "needs root and iproute2 to create network namespaces")
+
+
+def sh(*command: str) -> None:
+    subprocess.run(command, check=True, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    """[(namespace, address)] for two hosts behind one bridge; removed afterwards."""
+    tag = str(os.getpid() % 100000)
+    switch, names = f"ddpsw{tag}", [f"ddph{k}n{tag}" for k in range(2)]
+    created = []
+    try:
+        for namespace in (switch, *names):
+            sh("ip", "netns", "add", namespace)
+            created.append(namespace)
+            sh("ip", "-n", namespace, "link", "set", "lo", "up")
+        sh("ip", "-n", switch, "link", "add", "br0", "type", "bridge")
+        sh("ip", "-n", switch, "link", "set", "br0", "up")
+        for k, namespace in enumerate(names):
+            host_end, switch_end = f"ddp{k}h{tag}", f"ddp{k}s{tag}"
+            sh("ip", "link", "add", host_end, "type", "veth", "peer", "name", switch_end)
+            sh("ip", "link", "set", host_end, "netns", namespace)
+            sh("ip", "link", "set", switch_end, "netns", switch)
+            sh("ip", "-n", switch, "link", "set", switch_end, "master", "br0", "up")
+            sh("ip", "-n", namespace, "addr", "add", f"{SUBNET}.{k + 1}/24", "dev", host_end)
+            sh("ip", "-n", namespace, "link", "set", host_end, "up")
+        yield [(namespace, f"{SUBNET}.{k + 1}") for k, namespace in enumerate(names)]
+    finally:
+        for namespace in created:
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
+
+
+def start_on_host(namespace: str, project: Path, args: list[str], **env: str) -> subprocess.Popen:
+    return subprocess.Popen(["ip", "netns", "exec", namespace, "./run_node.sh", *args], cwd=project,
+                            env=tool_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(nodes: list[subprocess.Popen], timeout: float = 300) -> list[str]:
+    return [node.communicate(timeout=timeout)[0] for node in nodes]
+
+
+def test_two_hosts_train_as_one_job(default_project, hosts, tmp_path):
+    endpoint = f"{hosts[0][1]}:29400"
+    args = [*TINY, "--max-steps", "4", "--ckpt-every", "2", "--ckpt-dir", str(tmp_path)]
+    nodes = [start_on_host(namespace, default_project, args, NNODES="2", NPROC_PER_NODE="2",
+                           RDZV_ENDPOINT=endpoint, RDZV_ID="two-hosts") for namespace, _ in hosts]
+    outputs = finish(nodes)
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert f"this_host={hosts[0][1]} is_endpoint=1" in outputs[0]
+    assert f"this_host={hosts[1][1]} is_endpoint=0" in outputs[1]
+    assert "world_size=4 nodes=2 ranks_per_node=2" in "".join(outputs)
+    assert (tmp_path / "step-4.pt").exists()
+
+
+def test_a_node_that_never_arrives_is_a_clear_timeout(default_project, hosts, tmp_path):
+    namespace, address = hosts[0]
+    [output] = finish([start_on_host(namespace, default_project, [*TINY, "--ckpt-dir", str(tmp_path)],
+                                     NNODES="2", NPROC_PER_NODE="1", RDZV_ENDPOINT=f"{address}:29401",
+                                     RDZV_ID="alone", RDZV_TIMEOUT="8")], timeout=120)
+    assert "RendezvousTimeoutError" in output, output
+    assert not list(tmp_path.glob("step-*.pt"))
+
+
+def test_another_rdzv_id_on_the_same_endpoint_does_not_join(default_project, hosts, tmp_path):
+    endpoint = f"{hosts[0][1]}:29402"
+    nodes = [start_on_host(namespace, default_project, [*TINY, "--ckpt-dir", str(tmp_path / rdzv_id)],
+                           NNODES="2", NPROC_PER_NODE="1", RDZV_ENDPOINT=endpoint, RDZV_ID=rdzv_id,
+                           RDZV_TIMEOUT="8")
+             for (namespace, _), rdzv_id in zip(hosts, ("job-a", "job-b"), strict=True)]
+    outputs = finish(nodes, timeout=120)
+    assert all(node.returncode != 0 for node in nodes), outputs
+    assert all("RendezvousTimeoutError" in output for output in outputs), outputs
+    assert "world_size=2" not in "".join(outputs)
