@@ -14,7 +14,8 @@ DEFAULT_FILES = {
     ".gitignore", "README.md", "pyproject.toml", "run_node.sh", "train.py",
     "tests/harness.py", "tests/test_smoke.py",
     *(f"ddp_training/{name}.py" for name in
-      ("__init__", "checkpoint", "data", "distributed", "errors", "evaluation", "model", "options", "reporting")),
+      ("__init__", "checkpoint", "data", "distributed", "errors", "evaluation", "model", "options", "preflight",
+       "reporting")),
 }
 
 # Every value class each answer admits; each is baked and checked.

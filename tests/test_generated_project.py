@@ -116,3 +116,18 @@ def test_run_node_refuses_a_launch_that_cannot_work(default_project, environment
     assert result.returncode == 2
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(expected), result.stderr
+
+
+def test_preflight_passes_on_two_local_ranks(default_project):
+    result = run(["./run_node.sh", "--preflight", "--device", "cpu", "--megabytes", "4"], cwd=default_project,
+                 NPROC_PER_NODE="2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    for check in ("rank map", "devices", "all-reduce result", "all-reduce bandwidth", "training steps"):
+        assert f"preflight PASS {check}: " in result.stdout, result.stdout
+    assert "all-reduce result: sum over ranks = 3, expected 3" in result.stdout
+    assert "preflight PASS: world_size=2 nodes=1 device=cpu" in result.stdout
+
+
+def test_preflight_refuses_to_run_without_torchrun(default_project):
+    result = run(["python", "-m", "ddp_training.preflight"], cwd=default_project)
+    assert_one_error_line(result, "error: run the preflight under torchrun")

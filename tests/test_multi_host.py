@@ -93,3 +93,17 @@ def test_another_rdzv_id_on_the_same_endpoint_does_not_join(default_project, hos
     assert all(node.returncode != 0 for node in nodes), outputs
     assert all("RendezvousTimeoutError" in output for output in outputs), outputs
     assert "world_size=2" not in "".join(outputs)
+
+
+def test_preflight_passes_across_two_hosts(default_project, hosts):
+    endpoint = f"{hosts[0][1]}:29403"
+    nodes = [start_on_host(namespace, default_project, ["--preflight", "--device", "cpu", "--megabytes", "8"],
+                           NNODES="2", NPROC_PER_NODE="2", RDZV_ENDPOINT=endpoint, RDZV_ID="preflight")
+             for namespace, _ in hosts]
+    outputs = finish(nodes)
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    summary = "".join(outputs)
+    assert "preflight PASS rank map: 4 ranks on 2 nodes" in summary
+    assert "all-reduce result: sum over ranks = 10, expected 10" in summary
+    assert "preflight PASS: world_size=4 nodes=2 device=cpu" in summary
+    print(next(line for line in summary.splitlines() if "all-reduce bandwidth" in line))  # the figure, with -s

@@ -3,6 +3,8 @@
 # torchrun's c10d rendezvous on RDZV_ENDPOINT groups them, numbers the ranks, and restarts the group on
 # failure. Arguments after the script go to train.py.
 #
+#   ./run_node.sh --preflight                                       # check ranks, devices, network first
+#
 #   ./run_node.sh --epochs 5                                        # one machine, all its devices
 #   NNODES=2 RDZV_ENDPOINT=node0:{{ cookiecutter.rdzv_port }} ./run_node.sh --epochs 5       # on node0 AND on node1
 #
@@ -43,13 +45,19 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:
 
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
+ENTRY_POINT=(train.py)
+if [[ "${1:-}" == --preflight ]]; then
+  shift
+  ENTRY_POINT=(-m {{ cookiecutter.package_name }}.preflight)
+fi
+
 if [[ -z "$RDZV_ENDPOINT" ]]; then
   if [[ "$MAX_NODES" != 1 ]]; then
     fail "NNODES=$NNODES needs RDZV_ENDPOINT=host:port, the same on every machine (e.g. RDZV_ENDPOINT=node0:$DEFAULT_RDZV_PORT)"
   fi
   # One machine: torchrun runs its own rendezvous on a free local port.
   exec torchrun --standalone --nnodes=1 --nproc-per-node="$NPROC_PER_NODE" \
-    --max-restarts="$MAX_RESTARTS" train.py "$@"
+    --max-restarts="$MAX_RESTARTS" "${ENTRY_POINT[@]}" "$@"
 fi
 
 if [[ "$RDZV_ENDPOINT" != *:* ]]; then
@@ -103,4 +111,4 @@ fi
 echo "run_node.sh: nnodes=$NNODES nproc_per_node=$NPROC_PER_NODE rdzv_endpoint=$RDZV_ENDPOINT ($ENDPOINT_IP) rdzv_id=$RDZV_ID max_restarts=$MAX_RESTARTS rdzv_timeout=${RDZV_TIMEOUT}s $DETECTED" >&2
 exec torchrun --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
   --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="$RDZV_ID" --rdzv-conf="$RDZV_CONF" \
-  "${LOCAL_ADDR_ARGS[@]}" --max-restarts="$MAX_RESTARTS" train.py "$@"
+  "${LOCAL_ADDR_ARGS[@]}" --max-restarts="$MAX_RESTARTS" "${ENTRY_POINT[@]}" "$@"
