@@ -1,9 +1,15 @@
-"""Finish the generated project: run bits on scripts, then tell the user what to do next."""
+"""Finish the generated project: drop the scheduler files not asked for, set run bits, say what is next."""
 
+import shutil
 import stat
 from pathlib import Path
 
-EXECUTABLES = ["run_node.sh", "train.py"]
+EXECUTABLES = ["run_node.sh", "train.py", "slurm/train.sbatch"]
+# Folder kept only when its answer is "yes".
+OPTIONAL_FOLDERS = {
+    "slurm": {{ cookiecutter.use_slurm | python_string }},
+    "k8s": {{ cookiecutter.use_kubernetes | python_string }},
+}
 
 
 def make_executable(path: Path) -> None:
@@ -13,8 +19,12 @@ def make_executable(path: Path) -> None:
 
 def main() -> None:
     project = Path.cwd()
+    for folder, answer in OPTIONAL_FOLDERS.items():
+        if answer != "yes":
+            shutil.rmtree(project / folder)
     for name in EXECUTABLES:
-        make_executable(project / name)
+        if (project / name).exists():
+            make_executable(project / name)
     print(
         f"\nCreated {project}\n\n"
         "Next steps:\n"

@@ -17,6 +17,9 @@ ANSWERS = {
     "nproc_per_node": {{ cookiecutter.nproc_per_node | python_string }},
     "rdzv_port": {{ cookiecutter.rdzv_port | python_string }},
     "max_restarts": {{ cookiecutter.max_restarts | python_string }},
+    "gpus_per_node": {{ cookiecutter.gpus_per_node | python_string }},
+    "use_slurm": {{ cookiecutter.use_slurm | python_string }},
+    "use_kubernetes": {{ cookiecutter.use_kubernetes | python_string }},
 }
 
 # Names the generated project already uses at its top level, or imports, and so must not be shadowed.
@@ -95,6 +98,9 @@ CHECKS = {
     "nproc_per_node": check_nproc_per_node,
     "rdzv_port": check_port,
     "max_restarts": lambda value: check_positive_int(value, minimum=0),
+    "gpus_per_node": lambda value: check_positive_int(value, minimum=0),
+    "use_slurm": lambda value: None if value in ("yes", "no") else f"{value!r} must be yes or no",
+    "use_kubernetes": lambda value: None if value in ("yes", "no") else f"{value!r} must be yes or no",
 }
 
 

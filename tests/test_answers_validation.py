@@ -33,6 +33,8 @@ INVALID_ANSWERS = [
     ({"nproc_per_node": "0"}, "nproc_per_node", "auto, gpu, cpu or a whole number"),
     ({"nproc_per_node": "tpu"}, "nproc_per_node", "auto, gpu, cpu or a whole number"),
     ({"max_restarts": "-1"}, "max_restarts", "whole number >= 0"),
+    ({"gpus_per_node": "-1"}, "gpus_per_node", "whole number >= 0"),
+    ({"gpus_per_node": "eight"}, "gpus_per_node", "whole number >= 0"),
 ]
 
 

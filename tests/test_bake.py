@@ -11,7 +11,7 @@ import pytest
 from conftest import build_wheel, run
 
 DEFAULT_FILES = {
-    ".gitignore", "README.md", "pyproject.toml", "run_node.sh", "train.py",
+    ".gitignore", "README.md", "pyproject.toml", "run_node.sh", "train.py", "slurm/train.sbatch",
     "tests/harness.py", "tests/test_smoke.py",
     *(f"ddp_training/{name}.py" for name in
       ("__init__", "checkpoint", "data", "distributed", "errors", "evaluation", "model", "options", "preflight",
@@ -48,7 +48,7 @@ def test_default_bake_is_fully_rendered(default_project):
 
 
 def test_scripts_are_executable(default_project):
-    for name in ("run_node.sh", "train.py"):
+    for name in ("run_node.sh", "train.py", "slurm/train.sbatch"):
         assert (default_project / name).stat().st_mode & 0o111, f"{name} lacks run bits"
 
 

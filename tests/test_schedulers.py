@@ -1,0 +1,129 @@
+"""Existing engines, optional at bake time: a Slurm batch script run by a real Slurm, and a Kubeflow
+PyTorchJob manifest with what the training operator needs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import require, run, tool_env
+
+SCHEDULER_ANSWERS = [
+    ({"use_slurm": "yes", "use_kubernetes": "no"}, {"slurm/train.sbatch"}),
+    ({"use_slurm": "no", "use_kubernetes": "no"}, set()),
+    ({"use_slurm": "no", "use_kubernetes": "yes"}, {"k8s/pytorchjob.yaml"}),
+    ({"use_slurm": "yes", "use_kubernetes": "yes"}, {"slurm/train.sbatch", "k8s/pytorchjob.yaml"}),
+]
+
+
+@pytest.mark.parametrize("answers, scheduler_files", SCHEDULER_ANSWERS,
+                         ids=[f"slurm={a['use_slurm']}-k8s={a['use_kubernetes']}" for a, _ in SCHEDULER_ANSWERS])
+def test_scheduler_files_follow_the_answers(bake, answers, scheduler_files):
+    project = bake(**answers)
+    present = {str(path.relative_to(project)) for folder in ("slurm", "k8s") for path in project.glob(f"{folder}/*")}
+    assert present == scheduler_files
+    assert {path.name for path in project.iterdir() if path.is_dir()} & {"slurm", "k8s"} == \
+        {name.split("/")[0] for name in scheduler_files}
+
+
+@pytest.mark.parametrize("gpus", ["8", "0"])
+def test_pytorchjob_has_what_the_operator_needs(bake, gpus):
+    project = bake(use_kubernetes="yes", nnodes="2:4", max_restarts="5", gpus_per_node=gpus)
+    job = yaml.safe_load((project / "k8s/pytorchjob.yaml").read_text())
+    assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
+    assert job["spec"]["elasticPolicy"] == {"rdzvBackend": "c10d", "minReplicas": 2, "maxReplicas": 4,
+                                            "maxRestarts": 5}
+    assert job["spec"]["nprocPerNode"] == (gpus if gpus != "0" else "auto")
+    worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
+    assert worker["replicas"] == 4
+    [container] = worker["template"]["spec"]["containers"]
+    assert container["command"] == ["torchrun", "train.py"]  # torchrun takes the rest from PET_* variables
+    assert {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"} in container["env"]
+    limits = container.get("resources", {}).get("limits", {})
+    assert limits == ({"nvidia.com/gpu": int(gpus)} if gpus != "0" else {})
+
+
+@pytest.mark.parametrize("gpus", ["8", "0"])
+def test_sbatch_requests_one_torchrun_per_node(bake, gpus):
+    project = bake(nnodes="1:3", gpus_per_node=gpus)
+    script = (project / "slurm/train.sbatch").read_text()
+    assert "#SBATCH --nodes=3" in script and "#SBATCH --ntasks-per-node=1" in script
+    assert ("#SBATCH --gpus-per-node=8" in script) == (gpus == "8")
+    assert "#SBATCH --signal=TERM@120" in script
+    assert 'export RDZV_ID="$SLURM_JOB_ID"' in script
+    shellcheck = run(["shellcheck", "slurm/train.sbatch"], cwd=project)
+    assert shellcheck.returncode == 0, shellcheck.stdout
+
+
+HAS_SLURM = all(shutil.which(tool) for tool in ("munged", "slurmctld", "slurmd", "sbatch"))
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory):
+    """A one-node Slurm (Debian's slurm-wlm), daemons started by hand; yields the environment to use it."""
+    root = tmp_path_factory.mktemp("slurm")
+    host = subprocess.run(["hostname", "-s"], capture_output=True, text=True, check=True).stdout.strip()
+    for folder in ("state", "spool"):
+        (root / folder).mkdir()
+    (root / "slurm.conf").write_text(f"""\
+ClusterName=ddptemplate
+SlurmctldHost={host}
+SlurmctldPort=16817
+SlurmdPort=16818
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SchedulerType=sched/builtin
+ReturnToService=2
+MpiDefault=none
+NodeName={host} CPUs={os.cpu_count()} State=UNKNOWN
+PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
+""")
+    environment = tool_env(SLURM_CONF=str(root / "slurm.conf"))
+    if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode != 0:
+        Path("/run/munge").mkdir(parents=True, exist_ok=True)
+        shutil.chown("/run/munge", "munge", "munge")
+        subprocess.run(["su", "-s", "/bin/sh", "munge", "-c", "/usr/sbin/munged"], check=True)
+    subprocess.run(["slurmctld", "-i"], env=environment, check=True)
+    subprocess.run(["slurmd"], env=environment, check=True)
+    try:
+        deadline = time.monotonic() + 60
+        while "idle" not in subprocess.run(["sinfo", "-h", "-o", "%T"], env=environment, capture_output=True,
+                                           text=True).stdout:
+            assert time.monotonic() < deadline, (root / "slurmctld.log").read_text()[-2000:]
+            time.sleep(0.5)
+        yield environment
+    finally:
+        subprocess.run(["scontrol", "shutdown"], env=environment, capture_output=True)
+
+
+@require(os.geteuid() == 0 and HAS_SLURM, "needs root and Debian's slurm-wlm and munge")
+def test_sbatch_trains_and_checkpoints_under_real_slurm(bake, slurm_cluster, tmp_path):
+    project = bake(gpus_per_node="0")
+    ckpt_dir = tmp_path / "checkpoints"
+    submitted = subprocess.run(
+        ["sbatch", "--wait", "--parsable", "slurm/train.sbatch", "--data", "fake", "--fake-samples", "256",
+         "--image-size", "16", "--batch-size", "16", "--num-workers", "0", "--device", "cpu",
+         "--max-steps", "4", "--ckpt-every", "2", "--ckpt-dir", str(ckpt_dir)],
+        cwd=project, env={**slurm_cluster, "NPROC_PER_NODE": "2"}, capture_output=True, text=True, timeout=300)
+    job_id = submitted.stdout.strip().split(";")[0]
+    output = (project / f"slurm-{job_id}.out").read_text() if job_id else ""
+    assert submitted.returncode == 0, submitted.stderr + output
+    assert f"rdzv_id={job_id}" in output
+    assert "world_size=2 nodes=1 ranks_per_node=2" in output
+    assert sorted(path.name for path in ckpt_dir.glob("step-*.pt")) == ["step-2.pt", "step-4.pt"]
