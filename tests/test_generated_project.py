@@ -110,6 +110,11 @@ def test_imagefolder_trains_on_a_users_folder(default_project, tmp_path):
     ({"NNODES": "two"}, "run_node.sh: error: NNODES='two' must be a number of machines"),
     ({"NPROC_PER_NODE": "0"}, "run_node.sh: error: NPROC_PER_NODE='0' must be auto, gpu, cpu or a number"),
     ({"MAX_RESTARTS": "many"}, "run_node.sh: error: MAX_RESTARTS='many' must be a whole number"),
+    ({"NNODES": "2", "RDZV_ENDPOINT": "no-such-host.invalid:29400"},
+     "run_node.sh: error: RDZV_ENDPOINT host 'no-such-host.invalid' does not resolve here"),
+    ({"NNODES": "2", "RDZV_ENDPOINT": "127.0.0.1:70000"},
+     "run_node.sh: error: RDZV_ENDPOINT='127.0.0.1:70000' needs a port between 1 and 65535"),
+    ({"RDZV_TIMEOUT": "soon"}, "run_node.sh: error: RDZV_TIMEOUT='soon' must be a number of seconds"),
 ])
 def test_run_node_refuses_a_launch_that_cannot_work(default_project, environment, expected):
     result = run(["./run_node.sh", "--max-steps", "1"], cwd=default_project, **environment)

@@ -83,6 +83,22 @@ def test_a_node_that_never_arrives_is_a_clear_timeout(default_project, hosts, tm
     assert not list(tmp_path.glob("step-*.pt"))
 
 
+def test_a_taken_port_on_the_endpoint_is_a_clear_error(default_project, hosts):
+    namespace, address = hosts[0]
+    squatter = subprocess.Popen(
+        ["ip", "netns", "exec", namespace, "python3", "-c",
+         f"import socket, time; s = socket.create_server(('{address}', 29404)); print('listening', flush=True); "
+         "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert squatter.stdout.readline().strip() == "listening"
+        [output] = finish([start_on_host(namespace, default_project, TINY, NNODES="2", NPROC_PER_NODE="1",
+                                         RDZV_ENDPOINT=f"{address}:29404", RDZV_ID="late")], timeout=60)
+    finally:
+        squatter.kill()
+    assert output.strip() == (f"run_node.sh: error: port 29404 is already taken on this machine ({address}), the "
+                              "rendezvous endpoint; another job may be using it: choose another port in RDZV_ENDPOINT")
+
+
 def test_another_rdzv_id_on_the_same_endpoint_does_not_join(default_project, hosts, tmp_path):
     endpoint = f"{hosts[0][1]}:29402"
     nodes = [start_on_host(namespace, default_project, [*TINY, "--ckpt-dir", str(tmp_path / rdzv_id)],
