@@ -123,3 +123,14 @@ def test_preflight_passes_across_two_hosts(default_project, hosts):
     assert "all-reduce result: sum over ranks = 10, expected 10" in summary
     assert "preflight PASS: world_size=4 nodes=2 device=cpu" in summary
     print(next(line for line in summary.splitlines() if "all-reduce bandwidth" in line))  # the figure, with -s
+
+
+def test_an_elastic_range_admits_both_hosts(default_project, hosts, tmp_path):
+    # NNODES=1:2: the job could start with one host; the second, arriving within torchrun's last-call
+    # window (30 s), is admitted into the same job.
+    args = [*TINY, "--max-steps", "2", "--ckpt-dir", str(tmp_path)]
+    nodes = [start_on_host(namespace, default_project, args, NNODES="1:2", NPROC_PER_NODE="1",
+                           RDZV_ENDPOINT=f"{hosts[0][1]}:29405", RDZV_ID="elastic") for namespace, _ in hosts]
+    outputs = finish(nodes)
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert "world_size=2 nodes=2 ranks_per_node=1" in "".join(outputs)
