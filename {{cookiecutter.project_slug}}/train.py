@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Train an image classifier with DistributedDataParallel, launched by torchrun.
+r"""Train an image classifier with DistributedDataParallel, launched by torchrun.
 
     python train.py --max-steps 50                        # one plain process, for debugging
     ./run_node.sh --epochs 5                              # all GPUs (or CPU ranks) of this machine
     NNODES=2 RDZV_ENDPOINT=node0:{{ cookiecutter.rdzv_port }} ./run_node.sh --epochs 5   # same on each machine
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1   # by hand: restarts can hang without it (run_node.sh sets it)
-    torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d \\
+    torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d \
         --rdzv-endpoint=node0:{{ cookiecutter.rdzv_port }} --rdzv-id=job1 train.py --epochs 5
 
 Every flag: `python train.py --help`. Restarted by torchrun, a scheduler or you, training resumes from the
