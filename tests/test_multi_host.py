@@ -107,8 +107,11 @@ def test_another_rdzv_id_on_the_same_endpoint_does_not_join(default_project, hos
              for (namespace, _), rdzv_id in zip(hosts, ("job-a", "job-b"), strict=True)]
     outputs = finish(nodes, timeout=120)
     assert all(node.returncode != 0 for node in nodes), outputs
-    assert all("RendezvousTimeoutError" in output for output in outputs), outputs
-    assert "world_size=2" not in "".join(outputs)
+    assert "world_size=" not in "".join(outputs), "the two jobs must never form one"
+    # job-a, hosting the store, times out waiting for a second job-a node; job-b times out too, or loses
+    # the store when job-a gives up first and takes it down.
+    assert "RendezvousTimeoutError" in outputs[0], outputs[0]
+    assert "RendezvousTimeoutError" in outputs[1] or "RendezvousConnectionError" in outputs[1], outputs[1]
 
 
 def test_preflight_passes_across_two_hosts(default_project, hosts):
