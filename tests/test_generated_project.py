@@ -136,3 +136,17 @@ def test_preflight_passes_on_two_local_ranks(default_project):
 def test_preflight_refuses_to_run_without_torchrun(default_project):
     result = run(["python", "-m", "ddp_training.preflight"], cwd=default_project)
     assert_one_error_line(result, "error: run the preflight under torchrun")
+
+
+def test_a_failed_download_stops_every_rank_instead_of_hanging(default_project, tmp_path):
+    # Local rank 0 downloads while the others wait; its failure (here: the folder is under a file, so no
+    # network is touched) must reach the waiting ranks, or they would sit in a collective until the timeout.
+    (tmp_path / "a-file").write_text("not a folder")
+    result = run(["./run_node.sh", *TINY, "--data", "cifar10", "--data-dir", str(tmp_path / "a-file" / "cifar"),
+                  "--ckpt-dir", str(tmp_path / "ckpt")], cwd=default_project, NPROC_PER_NODE="2",
+                 MAX_RESTARTS="0", timeout=120)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: downloading CIFAR-10")]
+    assert len(errors) == 2, result.stderr  # one from the rank that failed, one from the rank that waited
+    assert any("failed on node 0:" in line for line in errors)
+    assert any("see the error from local rank 0" in line for line in errors)

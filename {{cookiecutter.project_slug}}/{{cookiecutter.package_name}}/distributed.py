@@ -213,6 +213,5 @@ def run_once_per_node(env: DistEnv, device: torch.device, action: Callable[[], N
             action()
         except Exception as error:  # noqa: BLE001 - reported on every rank below
             failure = f"{what} failed on node {env.node_rank}: {error}"
-    failed = all_reduce_sum(torch.tensor([1 if failure else 0], device=device))
-    if failed.item():
+    if all_reduce_int(1 if failure else 0, device, "max"):
         raise UsageError(failure or f"{what} failed; see the error from local rank 0 of the node that failed")
