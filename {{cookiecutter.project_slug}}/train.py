@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
         with distributed_session(env, device):
             train(options, env, device)
     except UsageError as error:
-        sys.exit(f"error: {error}")
+        sys.stderr.write(f"error: {error}\n")  # one write, so lines from several ranks do not interleave
+        sys.exit(1)
 
 
 if __name__ == "__main__":
