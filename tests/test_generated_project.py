@@ -19,7 +19,11 @@ BAD_OPTIONS = [
     (["--data", "imagefolder", "--data-dir", "{tmp}/missing"], "error: --data-dir {tmp}/missing: expected class"),
     (["--data", "imagefolder", "--data-dir", "{tmp}"], "error: --data-dir {tmp}: expected class folders"),
     (["--ckpt-dir", "{tmp}/a-file/checkpoints"], "error: --ckpt-dir {tmp}/a-file/checkpoints cannot be written"),
-    (["--fake-samples", "8"], "error: the training set (8 samples) gives no full batch of 16 per rank"),
+    (["--fake-samples", "8"], "error: the training set (8 samples) gives no full step of 1 x 16 samples per rank"),
+    (["--fake-samples", "64", "--grad-accum", "4"], "error: the training set (64 samples) gives no full step of 4 x"),
+    (["--grad-accum", "0"], "error: --grad-accum must be >= 1, got 0"),
+    (["--clip-grad", "0"], "error: --clip-grad must be > 0"),
+    (["--warmup-steps", "-1"], "error: --warmup-steps must be >= 0, got -1"),
 ]
 
 

@@ -20,26 +20,23 @@ import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from {{ cookiecutter.package_name }}.checkpoint import Checkpointer, check_checkpoint_dir
-from {{ cookiecutter.package_name }}.data import build_datasets, build_loaders, check_data_source
+from {{ cookiecutter.package_name }}.data import build_datasets, build_loaders, check_data_source, to_device
 from {{ cookiecutter.package_name }}.distributed import (
     EXIT_CODE_AFTER_SIGTERM,
     DistEnv,
     StopRequest,
     distributed_session,
     select_device,
-    wrap_model,
 )
 from {{ cookiecutter.package_name }}.errors import UsageError
 from {{ cookiecutter.package_name }}.evaluation import evaluate
+from {{ cookiecutter.package_name }}.metrics import build_meter
 from {{ cookiecutter.package_name }}.model import build_model, check_model_name
+from {{ cookiecutter.package_name }}.optim import build_lr_schedule, build_optimizer, planned_steps
 from {{ cookiecutter.package_name }}.options import TrainOptions, parse_options
-from {{ cookiecutter.package_name }}.reporting import (
-    TrainingMeter,
-    describe_job,
-    log,
-    setup_logging,
-    warn_about_launch_pitfalls,
-)
+from {{ cookiecutter.package_name }}.parallel import gradient_sync, uses_channels_last, wrap_model
+from {{ cookiecutter.package_name }}.precision import MixedPrecision, resolve_precision
+from {{ cookiecutter.package_name }}.reporting import describe_job, log, setup_logging, warn_about_launch_pitfalls
 
 
 def train(options: TrainOptions, env: DistEnv, device: torch.device) -> None:
@@ -50,43 +47,54 @@ def train(options: TrainOptions, env: DistEnv, device: torch.device) -> None:
     train_set, eval_set = build_datasets(options, env, device)
     train_loader, eval_loader = build_loaders(train_set, eval_set, options, env, device)
     model = build_model(options.model, options.num_classes).to(device)
-    ddp_model = wrap_model(model, device)  # forward/backward through ddp_model; save and evaluate `model`
-    optimizer = torch.optim.SGD(model.parameters(), lr=options.lr, momentum=0.9, weight_decay=5e-4)
-    checkpointer = Checkpointer(options.ckpt_dir, options.keep_checkpoints, env, device)
-    progress = checkpointer.resume(model, optimizer)
-    global_batch_size = options.batch_size * env.world_size
-    meter = TrainingMeter(device)
+    channels_last = uses_channels_last(model, device, options.channels_last)
+    model = model.to(memory_format=torch.channels_last) if channels_last else model
+    # Forward and backward through training_model (DDP, maybe compiled); save and evaluate `model` itself.
+    training_model = wrap_model(model, device, options.compile, options.grad_accum)
+    optimizer = build_optimizer(model, options)
+    total_steps = planned_steps(options, steps_per_epoch=len(train_loader) // options.grad_accum)
+    lr_schedule = build_lr_schedule(optimizer, options, total_steps)
+    amp = MixedPrecision(resolve_precision(options.precision, device), device)
+    checkpointer = Checkpointer(options.ckpt_dir, options.keep_checkpoints, env, device, model=model,
+                                optimizer=optimizer, lr_schedule=lr_schedule, grad_scaler=amp)
+    progress = checkpointer.resume()
+    meter = build_meter(options, env, device, total_steps, done_steps=progress.step)  # logs, metrics, bar
+    micro_batch_size = options.batch_size * env.world_size  # samples per micro-step, all ranks together
 
     while not progress.finished(options.epochs, options.max_steps):
         # Mid-epoch resume: skip exactly the samples this epoch has already trained on.
         train_loader.sampler.set_epoch(progress.epoch, start_sample=progress.samples_in_epoch)
-        for images, labels in train_loader:
-            images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-            loss = F.cross_entropy(ddp_model(images), labels)
+        for micro_step, (images, labels) in enumerate(meter.timed(train_loader), start=1):
+            images, labels = to_device(images, labels, device, channels_last)
+            steps_now = micro_step % options.grad_accum == 0  # the last micro-batch of an optimizer step
+            with gradient_sync(training_model, enabled=steps_now):  # all-reduce only on the last micro-step
+                with amp.autocast():
+                    loss = F.cross_entropy(training_model(images), labels)
+                amp.backward(loss / options.grad_accum)  # the mean over the step's micro-batches
+            meter.update(loss, micro_batch_size)
+            if not steps_now:
+                continue
+            amp.step(optimizer, model, options.clip_grad)  # clips first when --clip-grad is set
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # DDP all-reduces gradients here, overlapped with the backward pass
-            optimizer.step()
-            progress.advance(global_batch_size)
-            meter.update(loss, global_batch_size)
-            if progress.step % options.log_every == 0:
-                meter.log_and_reset(progress.step, progress.epoch, optimizer.param_groups[0]["lr"])
+            progress.advance(micro_batch_size * options.grad_accum)
+            meter.end_step(progress.step, progress.epoch, lr=lr_schedule.get_last_lr()[0])  # lr of this step
+            lr_schedule.step()
             if progress.step % options.ckpt_every == 0:
-                checkpointer.save(model, optimizer, progress)
+                checkpointer.save(progress)
             if stop_request.agreed():  # SIGTERM reached some rank: preemption, or torchrun shutting down
-                checkpointer.save(model, optimizer, progress)
+                checkpointer.save(progress)
                 log.info("stopped by SIGTERM after step %d; run the same command again to resume", progress.step)
                 sys.exit(EXIT_CODE_AFTER_SIGTERM)
             if progress.finished(options.epochs, options.max_steps):
                 break
         else:  # the epoch ran to its end
             progress.next_epoch()
-            log.info("epoch %d done | eval loss %.4f | accuracy %.3f on %d held-out samples",
-                     progress.epoch, *evaluate(model, eval_loader, device))
+            meter.log_evaluation(progress.step, progress.epoch, evaluate(model, eval_loader, device))
 
     if progress.samples_in_epoch:  # stopped by --max-steps part-way through an epoch
-        log.info("stopped at step %d | eval loss %.4f | accuracy %.3f on %d held-out samples",
-                 progress.step, *evaluate(model, eval_loader, device))
-    checkpointer.save(model, optimizer, progress)
+        meter.log_evaluation(progress.step, progress.epoch, evaluate(model, eval_loader, device))
+    checkpointer.save(progress)
+    meter.close()
 
 
 @record  # an uncaught exception's traceback reaches torchrun's failure summary

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
-from .distributed import DistEnv, all_reduce_int, barrier, broadcast_object, sync_buffers_from_main
+from .distributed import DistEnv, all_reduce_int, barrier, broadcast_object
 from .errors import UsageError
+from .parallel import sync_buffers_from_main
 
 log = logging.getLogger(__name__)
 CHECKPOINT_NAME = re.compile(r"step-(\d+)\.pt")
@@ -90,12 +91,12 @@ def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
 REQUIRED_KEYS = {"model", "optimizer", "step", "epoch", "samples_in_epoch", "torch_rng_state"}
 
 
-def load_newest_valid(ckpt_dir: Path) -> tuple[Path, dict] | None:
+def load_newest_valid(ckpt_dir: Path, required_keys: set[str] = REQUIRED_KEYS) -> tuple[Path, dict] | None:
     """The newest checkpoint that loads and is complete; bad ones are skipped with a warning naming them."""
     for step, path in list_checkpoints(ckpt_dir):
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
-            missing = REQUIRED_KEYS - set(state)
+            missing = required_keys - set(state)
             if missing or state["step"] != step:
                 raise ValueError(f"missing {sorted(missing)}" if missing else f"holds step {state['step']}")
             return path, state
@@ -109,22 +110,20 @@ def delete_old_checkpoints(ckpt_dir: Path, keep: int) -> None:
         path.unlink(missing_ok=True)
 
 
-def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                   progress: TrainingProgress, world_size: int) -> dict:
+def training_state(components: dict, progress: TrainingProgress, world_size: int) -> dict:
     """Only tensors and primitives, so it loads with weights_only=True."""
     return {
-        "model": model.state_dict(),  # the unwrapped model: no "module." prefix
-        "optimizer": optimizer.state_dict(),
+        # "model" is the unwrapped model: no "module." or "_orig_mod." prefix.
+        **{name: component.state_dict() for name, component in components.items()},
         **asdict(progress),
         "world_size": world_size,
         "torch_rng_state": torch.get_rng_state(),
     }
 
 
-def restore_training_state(state: dict, model: torch.nn.Module,
-                           optimizer: torch.optim.Optimizer) -> TrainingProgress:
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+def restore_training_state(state: dict, components: dict) -> TrainingProgress:
+    for name, component in components.items():
+        component.load_state_dict(state[name])
     torch.set_rng_state(state["torch_rng_state"])
     return TrainingProgress(step=state["step"], epoch=state["epoch"], samples_in_epoch=state["samples_in_epoch"])
 
@@ -137,9 +136,14 @@ class Checkpointer:
     writes it; on node-local disks the first rank of each node writes its node's copy, because after a
     restart rank 0 may land on another machine. Resuming, the ranks agree on the newest valid step any node
     holds and the rank that holds it broadcasts it.
+
+    `components` are what a checkpoint holds besides progress: anything with state_dict/load_state_dict
+    (model, optimizer, lr schedule, gradient scaler). Add yours here.
     """
 
-    def __init__(self, ckpt_dir: str, keep: int, env: DistEnv, device: torch.device):
+    def __init__(self, ckpt_dir: str, keep: int, env: DistEnv, device: torch.device, **components):
+        self.components = components
+        self.required_keys = REQUIRED_KEYS | set(components)
         self.ckpt_dir = Path(ckpt_dir)
         self.keep = keep
         self.env = env
@@ -178,22 +182,22 @@ class Checkpointer:
         writers = all_reduce_int(int(is_writer), self.device, "sum")
         return is_writer, writers
 
-    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, progress: TrainingProgress) -> None:
+    def save(self, progress: TrainingProgress) -> None:
         if progress.step == self.last_saved_step:  # e.g. the final save right after a periodic one
             return
         self.last_saved_step = progress.step
-        sync_buffers_from_main(model)  # a collective: every rank saves at the same steps
+        sync_buffers_from_main(self.components["model"])  # a collective: every rank saves at the same steps
         if not self.is_writer:
             return
         started = time.perf_counter()
         path = checkpoint_path(self.ckpt_dir, progress.step)
-        save_checkpoint_atomically(training_state(model, optimizer, progress, self.env.world_size), path)
+        save_checkpoint_atomically(training_state(self.components, progress, self.env.world_size), path)
         delete_old_checkpoints(self.ckpt_dir, self.keep)
         log.info("saved %s in %.2f s", path, time.perf_counter() - started)
 
-    def resume(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainingProgress:
-        """Load the newest valid checkpoint any node holds into model and optimizer (a collective)."""
-        newest = load_newest_valid(self.ckpt_dir) if self.is_writer else None
+    def resume(self) -> TrainingProgress:
+        """Load the newest valid checkpoint any node holds into the components (a collective)."""
+        newest = load_newest_valid(self.ckpt_dir, self.required_keys) if self.is_writer else None
         own_step = newest[1]["step"] if newest else -1
         best_step = all_reduce_int(own_step, self.device, "max")
         if best_step < 0:
@@ -203,7 +207,7 @@ class Checkpointer:
         source = all_reduce_int(self.env.rank if own_step == best_step else self.env.world_size, self.device, "min")
         path, state = broadcast_object(newest if self.env.rank == source else None, source_rank=source)
         try:
-            progress = restore_training_state(state, model, optimizer)
+            progress = restore_training_state(state, self.components)
         except (RuntimeError, ValueError, KeyError) as error:
             first_line = str(error).strip().splitlines()[0]
             raise UsageError(f"{path} does not fit this model or optimizer ({first_line}); "

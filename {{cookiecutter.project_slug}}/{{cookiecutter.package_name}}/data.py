@@ -87,9 +87,12 @@ class ResumableDistributedSampler(DistributedSampler):
     different number of ranks continues with exactly the samples the epoch has not seen yet.
     """
 
-    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int):
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int, samples_per_step: int):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
         self.start_sample = 0
+        # Per rank: batch size x micro-batches per step. An epoch ends on a whole optimizer step, so no
+        # half-accumulated gradient is left over (like drop_last, one level up).
+        self.samples_per_step = samples_per_step
 
     def set_epoch(self, epoch: int, start_sample: int = 0) -> None:
         super().set_epoch(epoch)
@@ -103,11 +106,12 @@ class ResumableDistributedSampler(DistributedSampler):
         return (indices * math.ceil(padded_size / max(len(indices), 1)))[:padded_size]
 
     def __iter__(self):
-        # (epoch, index) keys, for SeededSampleDataset.
-        return iter((self.epoch, index) for index in self._remaining_indices()[self.rank::self.num_replicas])
+        mine = self._remaining_indices()[self.rank::self.num_replicas][:len(self)]
+        return iter((self.epoch, index) for index in mine)  # (epoch, index) keys, for SeededSampleDataset
 
     def __len__(self) -> int:
-        return math.ceil((len(self.dataset) - self.start_sample) / self.num_replicas)
+        remaining = math.ceil((len(self.dataset) - self.start_sample) / self.num_replicas)
+        return remaining - remaining % self.samples_per_step
 
 
 def build_datasets(options: TrainOptions, env: DistEnv, device: torch.device) -> tuple[Dataset, Dataset]:
@@ -160,7 +164,8 @@ def build_loaders(train_set: Dataset, eval_set: Dataset, options: TrainOptions, 
     if options.sample_log:
         Path(options.sample_log).mkdir(parents=True, exist_ok=True)
         train_set = SampleLoggingDataset(train_set, Path(options.sample_log) / f"rank-{env.rank}.txt")
-    sampler = ResumableDistributedSampler(train_set, env.world_size, env.rank, seed=options.seed)
+    sampler = ResumableDistributedSampler(train_set, env.world_size, env.rank, seed=options.seed,
+                                          samples_per_step=options.batch_size * options.grad_accum)
     common = dict(batch_size=options.batch_size, num_workers=options.num_workers,
                   pin_memory=device.type == "cuda", persistent_workers=options.num_workers > 0,
                   worker_init_fn=ignore_termination_signals)
@@ -171,6 +176,15 @@ def build_loaders(train_set: Dataset, eval_set: Dataset, options: TrainOptions, 
     eval_loader = DataLoader(eval_shard, shuffle=False, **common)
     if len(train_loader) == 0:
         raise UsageError(
-            f"the training set ({len(train_set)} samples) gives no full batch of {options.batch_size} "
-            f"per rank over {env.world_size} ranks; lower --batch-size or use more data")
+            f"the training set ({len(train_set)} samples) gives no full step of {options.grad_accum} x "
+            f"{options.batch_size} samples per rank over {env.world_size} ranks; "
+            "lower --batch-size or --grad-accum, or use more data")
     return train_loader, eval_loader
+
+
+def to_device(images: torch.Tensor, labels: torch.Tensor, device: torch.device,
+              channels_last: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """non_blocking: from pinned loader memory, the copy to the GPU overlaps the running step."""
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    return (images.to(device, non_blocking=True, memory_format=memory_format),
+            labels.to(device, non_blocking=True))

@@ -1,7 +1,8 @@
 """Everything torchrun and torch.distributed: read the launch environment once, pick device and backend,
-start and tear down the process group, wrap the model, and reduce numbers across ranks.
+start and tear down the process group, and reduce numbers across ranks.
 
-Nothing else in the project reads os.environ or calls torch.distributed directly.
+Nothing else in the project reads os.environ or calls torch.distributed directly, except parallel.py, which
+wraps the model for data parallelism.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from .errors import UsageError
 
@@ -120,25 +120,6 @@ def distributed_session(env: DistEnv, device: torch.device) -> Iterator[None]:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def wrap_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """DDP over the already-placed model; the model itself when running as one plain process."""
-    if not dist.is_initialized():
-        return model
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-
-
-def sync_buffers_from_main(model: torch.nn.Module) -> None:
-    """Give every rank rank 0's buffers (e.g. BatchNorm running statistics), a collective.
-
-    DDP syncs parameters through gradients, but buffers only by broadcasting rank 0's at the start of each
-    training forward; between steps every replica holds the statistics of its own last batch. Saving or
-    evaluating needs the one canonical copy that training continues from.
-    """
-    if dist.is_initialized():
-        for buffer in model.buffers():
-            dist.broadcast(buffer, src=0)
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

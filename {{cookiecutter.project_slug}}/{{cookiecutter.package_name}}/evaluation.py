@@ -6,7 +6,8 @@ import math
 
 import torch
 
-from .distributed import all_reduce_sum, sync_buffers_from_main
+from .distributed import all_reduce_sum
+from .parallel import sync_buffers_from_main
 
 
 @torch.no_grad()

@@ -26,13 +26,26 @@ class TrainOptions:
         "imagefolder (--data-dir/train/<class>/*.jpg and --data-dir/val/<class>/*.jpg)")
     data_dir: str = option("data", "where cifar10 is downloaded, or the imagefolder root")
     fake_samples: int = option(2048, "size of the fake training set (the held-out set is a quarter of it)")
-    model: str = option("resnet18", "any torchvision classification model name, e.g. resnet50, vit_b_16")
+    model: str = option("resnet18", "any torchvision classification model name (e.g. resnet50), or small_cnn "
+                        "(a quick CPU model whose gradients do not depend on the batch)")
     image_size: int = option(32, "images are resized (imagefolder) or generated (fake) at this side length")
     num_classes: int = option(10, "classes of the classifier head (cifar10 has 10)")
     epochs: int = option(10, "passes over the training set")
     max_steps: int | None = option(None, "stop after this many optimizer steps in total (default: no limit)")
     batch_size: int = option(64, "samples per rank per step; the global batch is this times the world size")
-    lr: float = option(0.01, "learning rate of SGD with momentum 0.9")
+    lr: float = option(0.01, "peak learning rate of SGD with momentum 0.9")
+    lr_schedule: Literal["cosine", "constant"] = option(
+        "cosine", "after warmup: cosine decay to 0 over the run, or constant")
+    warmup_steps: int | None = option(None, "optimizer steps of linear warmup (default: 5%% of the run)")
+    grad_accum: int = option(
+        1, "micro-batches per optimizer step; gradients are all-reduced once per step, "
+        "so the global batch is --batch-size x world size x this")
+    clip_grad: float | None = option(None, "clip the gradient norm to this before each step (default: no clipping)")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = option(
+        "auto", "autocast dtype; auto: bf16 on CUDA that supports it, else fp32. fp16 uses a gradient scaler")
+    compile: bool = option(False, "torch.compile the model (the first steps are slow while it compiles)")
+    channels_last: bool | None = option(
+        None, "NHWC memory format for convolutional models (default: on for CUDA, off for CPU)")
     seed: int = option(0, "seed for model init, data order and fake data; same on every rank")
     ckpt_dir: str = option("checkpoints", "checkpoints go here; training resumes from the newest one")
     ckpt_every: int = option(500, "save a checkpoint every this many optimizer steps (and at the end)")
@@ -41,6 +54,10 @@ class TrainOptions:
         "auto", "auto: cuda:LOCAL_RANK when CUDA is available, else cpu")
     num_workers: int = option(2, "DataLoader worker processes per rank")
     log_every: int = option(10, "log loss and throughput every this many steps (rank 0)")
+    log_dir: str | None = option(
+        None, "rank 0 writes LOG_DIR/metrics.jsonl (one JSON object per logged step and per evaluation) "
+        "and TensorBoard event files there")
+    progress_bar: bool | None = option(None, "tqdm progress bar on rank 0 (default: only when stderr is a terminal)")
     sample_log: str | None = option(
         None, "audit the data order: append each training-sample index this rank loads to "
         "SAMPLE_LOG/rank-<RANK>.txt (with --num-workers 0, exactly the samples trained on)")
@@ -48,7 +65,7 @@ class TrainOptions:
     def check(self) -> None:
         """Reject values that cannot work, each with what to do instead."""
         at_least_one = ["fake_samples", "image_size", "epochs", "batch_size", "ckpt_every",
-                        "keep_checkpoints", "log_every"]
+                        "keep_checkpoints", "log_every", "grad_accum"]
         for name in at_least_one:
             if getattr(self, name) < 1:
                 raise UsageError(f"--{flag(name)} must be >= 1, got {getattr(self, name)}")
@@ -60,6 +77,10 @@ class TrainOptions:
             raise UsageError(f"--num-workers must be >= 0, got {self.num_workers}")
         if not self.lr > 0:
             raise UsageError(f"--lr must be > 0, got {self.lr}")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise UsageError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        if self.clip_grad is not None and not self.clip_grad > 0:
+            raise UsageError(f"--clip-grad must be > 0 (or left out for no clipping), got {self.clip_grad}")
 
 
 def flag(name: str) -> str:
@@ -74,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     hints = typing.get_type_hints(TrainOptions)
     for spec in dataclasses.fields(TrainOptions):
         kind, choices = argument_type(hints[spec.name])
+        if kind is bool:  # --compile / --no-compile
+            parser.add_argument(f"--{flag(spec.name)}", dest=spec.name, action=argparse.BooleanOptionalAction,
+                                default=spec.default, help=spec.metadata["help"])
+            continue
         parser.add_argument(
             f"--{flag(spec.name)}", dest=spec.name, type=kind, choices=choices, default=spec.default,
             help=spec.metadata["help"],

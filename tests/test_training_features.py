@@ -1,0 +1,141 @@
+"""Training features of the generated project, with numbers: mixed precision, gradient accumulation,
+clipping, the LR schedule, compile, and what a run records (metrics.jsonl, TensorBoard, progress bar)."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import pty
+import struct
+import subprocess
+import sys
+import termios
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run, tool_env
+
+# small_cnn has no batch statistics and no dropout, so accumulated micro-batches must match a larger batch.
+# 512 samples over 2 ranks of 16 per step: 16 optimizer steps an epoch.
+SMALL = ["--data", "fake", "--model", "small_cnn", "--fake-samples", "512", "--image-size", "16",
+         "--num-workers", "0", "--device", "cpu", "--log-every", "2"]
+
+
+def torchrun(project: Path, nproc: int, *args: str) -> subprocess.CompletedProcess:
+    result = run(["torchrun", "--standalone", f"--nproc-per-node={nproc}", "train.py", *SMALL, *args], cwd=project)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def final_state(ckpt_dir: Path, step: int) -> dict:
+    return torch.load(ckpt_dir / f"step-{step}.pt", weights_only=True)
+
+
+def max_difference(first: dict, second: dict) -> float:
+    assert first.keys() == second.keys()
+    return max((first[name] - second[name]).abs().max().item() for name in first)
+
+
+def metric_rows(log_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_accumulated_micro_batches_equal_one_larger_batch(default_project, tmp_path):
+    """2 micro-batches of 8 per rank (all-reduce on the second only) against 1 batch of 16, same samples."""
+    accumulated, large_batch, small_batch = (tmp_path / name for name in ("accumulated", "large", "small"))
+    torchrun(default_project, 2, "--batch-size", "8", "--grad-accum", "2", "--max-steps", "6",
+             "--ckpt-dir", str(accumulated))
+    torchrun(default_project, 2, "--batch-size", "16", "--max-steps", "6", "--ckpt-dir", str(large_batch))
+    # The same samples as 12 plain steps of 8: a different training run, which the comparison must tell apart.
+    torchrun(default_project, 2, "--batch-size", "8", "--max-steps", "12", "--ckpt-dir", str(small_batch))
+    expected = final_state(large_batch, 6)["model"]
+    assert max_difference(final_state(accumulated, 6)["model"], expected) < 1e-6
+    assert max_difference(final_state(small_batch, 12)["model"], expected) > 1e-3
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_with_accumulation_and_clipping_learns_and_records_metrics(default_project, tmp_path,
+                                                                                  precision):
+    ckpt_dir, log_dir = tmp_path / "checkpoints", tmp_path / "logs"
+    result = torchrun(default_project, 2, "--precision", precision, "--grad-accum", "2", "--clip-grad", "1.0",
+                      "--batch-size", "8", "--lr", "0.05", "--epochs", "2", "--warmup-steps", "2",
+                      "--ckpt-dir", str(ckpt_dir), "--log-dir", str(log_dir))
+    assert "samples/s" in result.stderr and "data wait" in result.stderr
+
+    rows = metric_rows(log_dir)
+    train_rows = [row for row in rows if row["kind"] == "train"]
+    eval_rows = [row for row in rows if row["kind"] == "eval"]
+    assert [row["step"] for row in train_rows] == list(range(2, 33, 2))  # 2 epochs of 16 steps, every 2nd
+    for row in train_rows:
+        assert {"loss", "lr", "samples_per_sec", "step_time_s", "data_wait_frac"} <= row.keys()
+        assert row["samples_per_sec"] > 0 and 0 <= row["data_wait_frac"] < 1
+    assert train_rows[-1]["loss"] < 0.7 * train_rows[0]["loss"], "loss did not fall"
+    # The lr each logged step ran with: 2 steps of linear warmup, then cosine from 0.05 to 0 over 30 steps.
+    for row in train_rows:
+        index = row["step"] - 1
+        expected = 0.05 * (index + 1) / 3 if index < 2 else 0.05 * 0.5 * (1 + math.cos(math.pi * (index - 2) / 30))
+        assert row["lr"] == pytest.approx(expected), row
+    assert [(row["step"], row["samples"]) for row in eval_rows] == [(16, 128), (32, 128)]
+    assert eval_rows[-1]["accuracy"] > 0.3  # 10 classes: chance is 0.1
+
+    scalars = tensorboard_scalars(log_dir)
+    assert [step for step, _ in scalars["train/loss"]] == [row["step"] for row in train_rows]
+    assert scalars["eval/accuracy"][-1][1] == pytest.approx(eval_rows[-1]["accuracy"])
+
+    state = final_state(ckpt_dir, 32)
+    assert state["lr_schedule"]["lr_lambdas"][0] == {"warmup_steps": 2, "total_steps": 32, "decay": "cosine"}
+    assert state["lr_schedule"]["last_epoch"] == 32
+    if precision == "fp16":
+        assert state["grad_scaler"]["scale"] > 0, "the gradient scaler's state is saved for an exact resume"
+
+
+def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return {tag: [(event.step, event.value) for event in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_compiled_model_trains_like_the_eager_one(default_project, tmp_path):
+    compiled, eager = tmp_path / "compiled", tmp_path / "eager"
+    torchrun(default_project, 2, "--compile", "--batch-size", "16", "--max-steps", "4", "--ckpt-dir", str(compiled))
+    torchrun(default_project, 2, "--batch-size", "16", "--max-steps", "4", "--ckpt-dir", str(eager))
+    # Compiled kernels may fuse and reorder float operations: close, not bitwise.
+    assert max_difference(final_state(compiled, 4)["model"], final_state(eager, 4)["model"]) < 1e-4
+
+
+def test_progress_bar_on_a_terminal_and_plain_lines_otherwise(default_project, tmp_path):
+    args = [sys.executable, "train.py", *SMALL, "--batch-size", "16", "--max-steps", "4"]
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))  # 30 rows, 100 columns
+    terminal = [*args, "--ckpt-dir", str(tmp_path / "terminal")]
+    with subprocess.Popen(terminal, cwd=default_project, env=tool_env(), stdin=subprocess.DEVNULL,
+                          stdout=follower, stderr=follower) as process:
+        os.close(follower)
+        screen = read_until_closed(leader)
+        assert process.wait(timeout=300) == 0, screen
+    assert "4/4" in screen and "step/s" in screen, screen  # the tqdm bar, finished
+    assert "saved" in screen, "log lines still reach the terminal, above the bar"
+
+    piped = run([*args, "--ckpt-dir", str(tmp_path / "piped")], cwd=default_project)
+    assert piped.returncode == 0 and "step/s" not in piped.stderr
+    assert "step 4 | epoch 0 | loss" in piped.stderr
+
+
+def read_until_closed(descriptor: int) -> str:
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(descriptor, 65536)
+        except OSError:  # EIO: the child side closed
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(descriptor)
+    return b"".join(chunks).decode(errors="replace")
