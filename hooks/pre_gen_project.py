@@ -20,6 +20,7 @@ ANSWERS = {
     "gpus_per_node": {{ cookiecutter.gpus_per_node | python_string }},
     "use_slurm": {{ cookiecutter.use_slurm | python_string }},
     "use_kubernetes": {{ cookiecutter.use_kubernetes | python_string }},
+    "strategy": {{ cookiecutter.strategy | python_string }},
 }
 
 # Names the generated project already uses at its top level, or imports, and so must not be shadowed.
@@ -101,6 +102,7 @@ CHECKS = {
     "gpus_per_node": lambda value: check_positive_int(value, minimum=0),
     "use_slurm": lambda value: None if value in ("yes", "no") else f"{value!r} must be yes or no",
     "use_kubernetes": lambda value: None if value in ("yes", "no") else f"{value!r} must be yes or no",
+    "strategy": lambda value: None if value in ("ddp", "fsdp2") else f"{value!r} must be ddp or fsdp2",
 }
 
 

@@ -7,6 +7,7 @@ import random
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,20 @@ def start_nodes(project: Path, node_args: list[list[str]], rdzv_id: str) -> list
     outputs = [node.communicate(timeout=300)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0] * len(nodes), outputs
     return outputs
+
+
+def wait_for(path: Path, process: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert process.poll() is None, f"exited before {path.name} appeared:\n{process.stdout.read()}"
+        assert time.monotonic() < deadline, f"{path.name} did not appear within {timeout}s"
+        time.sleep(0.05)
+
+
+def worker_pids(launcher: subprocess.Popen) -> list[int]:
+    """The training processes torchrun started (its children running train.py)."""
+    children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
+    return [int(pid) for pid in children if b"train.py" in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
 
 def make_image_folder(root: Path, images_per_split: dict[str, int]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import tomllib
 import zipfile
 from pathlib import Path
@@ -14,8 +15,8 @@ DEFAULT_FILES = {
     ".gitignore", "README.md", "pyproject.toml", "run_node.sh", "train.py", "slurm/train.sbatch",
     "tests/harness.py", "tests/test_smoke.py",
     *(f"ddp_training/{name}.py" for name in
-      ("__init__", "checkpoint", "data", "distributed", "errors", "evaluation", "model", "options", "preflight",
-       "reporting")),
+      ("__init__", "checkpoint", "data", "distributed", "errors", "evaluation", "export", "metrics", "model",
+       "optim", "options", "parallel", "precision", "preflight", "progress", "reporting", "sharded_checkpoint")),
 }
 
 # Every value class each answer admits; each is baked and checked.
@@ -89,3 +90,13 @@ def test_every_choice_bakes_into_run_node_defaults(bake, answers):
     assert expected in script
     shellcheck = run(["shellcheck", "run_node.sh"], cwd=project)
     assert shellcheck.returncode == 0, shellcheck.stdout
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_strategy_answer_is_the_default_of_the_strategy_flag(bake, strategy):
+    project = bake(strategy=strategy)
+    assert project_files(project) == DEFAULT_FILES  # both strategies ship both checkpoint formats
+    assert_fully_rendered(project)
+    result = run(["python", "train.py", "--help"], cwd=project)
+    assert result.returncode == 0, result.stderr
+    assert re.search(rf"--strategy \{{ddp,fsdp2\}}.*?\(default: {strategy}\)", result.stdout, re.DOTALL)

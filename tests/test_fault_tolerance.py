@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_image_folder, run, start_nodes, tool_env
+from conftest import make_image_folder, run, start_nodes, tool_env, wait_for, worker_pids
 
 # 512 fake samples over 2 ranks of 16: 16 steps an epoch, so 24 steps cross an epoch boundary.
 RUN = ["--data", "fake", "--fake-samples", "512", "--image-size", "16", "--batch-size", "16", "--device", "cpu",
@@ -34,20 +34,6 @@ def start(project: Path, nproc: int, *args: str, max_restarts: int = 0) -> subpr
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def wait_for(path: Path, process: subprocess.Popen, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert process.poll() is None, f"exited before {path.name} appeared:\n{process.stdout.read()}"
-        assert time.monotonic() < deadline, f"{path.name} did not appear within {timeout}s"
-        time.sleep(0.05)
-
-
-def worker_pids(launcher: subprocess.Popen) -> list[int]:
-    """The training processes torchrun started (its children running train.py)."""
-    children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
-    return [int(pid) for pid in children if b"train.py" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-
-
 def checkpoint(ckpt_dir: Path, step: int) -> dict:
     return torch.load(ckpt_dir / f"step-{step}.pt", weights_only=True)
 
@@ -57,6 +43,7 @@ def assert_bitwise_equal(actual: dict, expected: dict) -> None:
     assert actual["model"].keys() == expected["model"].keys()
     for name, tensor in expected["model"].items():
         assert torch.equal(actual["model"][name], tensor), f"model tensor {name} differs"
+    assert torch.equal(actual["torch_rng_state"], expected["torch_rng_state"]), "the global RNG continues as it was"
     for index, buffers in expected["optimizer"]["state"].items():
         for name, tensor in buffers.items():
             assert torch.equal(actual["optimizer"]["state"][index][name], tensor), f"optimizer {index}.{name} differs"

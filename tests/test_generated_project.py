@@ -20,7 +20,7 @@ BAD_OPTIONS = [
     (["--data", "imagefolder", "--data-dir", "{tmp}"], "error: --data-dir {tmp}: expected class folders"),
     (["--ckpt-dir", "{tmp}/a-file/checkpoints"], "error: --ckpt-dir {tmp}/a-file/checkpoints cannot be written"),
     (["--fake-samples", "8"], "error: the training set (8 samples) gives no full step of 1 x 16 samples per rank"),
-    (["--fake-samples", "64", "--grad-accum", "4"], "error: the training set (64 samples) gives no full step of 4 x"),
+    (["--fake-samples", "64", "--grad-accum", "8"], "error: the training set (64 samples) gives no full step of 8 x"),
     (["--grad-accum", "0"], "error: --grad-accum must be >= 1, got 0"),
     (["--clip-grad", "0"], "error: --clip-grad must be > 0"),
     (["--warmup-steps", "-1"], "error: --warmup-steps must be >= 0, got -1"),
@@ -74,7 +74,7 @@ def test_plain_python_runs_one_process_and_ignores_old_local_rank_flag(default_p
     assert result.returncode == 0, result.stderr
     assert "--local-rank is ignored" in result.stderr
     assert "world_size=1 nodes=1 ranks_per_node=1 backend=gloo device=cpu" in result.stderr
-    assert re.findall(r"step (\d) \| epoch", result.stderr) == ["1", "2", "3"]
+    assert re.findall(r"step (\d) \| epoch \d+ \| loss", result.stderr) == ["1", "2", "3"]
     assert (tmp_path / "step-3.pt").exists()
 
 
@@ -85,7 +85,8 @@ def test_run_node_trains_an_epoch_and_evaluates_every_held_out_sample_once(defau
                   "--ckpt-dir", str(tmp_path)], cwd=default_project, NPROC_PER_NODE="2")
     assert result.returncode == 0, result.stderr
     assert "world_size=2 nodes=1 ranks_per_node=2" in result.stderr
-    assert re.search(r"epoch 1 done \| eval loss \d+\.\d+ \| accuracy \d\.\d+ on 65 held-out samples", result.stderr)
+    assert re.search(r"step 8 \| epoch 1 \| eval loss \d+\.\d+ \| accuracy \d\.\d+ on 65 held-out samples",
+                     result.stderr)
     assert sorted(path.name for path in tmp_path.glob("step-*.pt")) == ["step-8.pt"]
 
 

@@ -87,8 +87,7 @@ def test_mixed_precision_with_accumulation_and_clipping_learns_and_records_metri
     assert scalars["eval/accuracy"][-1][1] == pytest.approx(eval_rows[-1]["accuracy"])
 
     state = final_state(ckpt_dir, 32)
-    assert state["lr_schedule"]["lr_lambdas"][0] == {"warmup_steps": 2, "total_steps": 32, "decay": "cosine"}
-    assert state["lr_schedule"]["last_epoch"] == 32
+    assert state["lr_schedule"]["last_epoch"] == 32  # the schedule's position, for an exact resume
     if precision == "fp16":
         assert state["grad_scaler"]["scale"] > 0, "the gradient scaler's state is saved for an exact resume"
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-r"""Train an image classifier with DistributedDataParallel, launched by torchrun.
+r"""Train an image classifier with DDP or FSDP2, launched by torchrun.
 
     python train.py --max-steps 50                        # one plain process, for debugging
     ./run_node.sh --epochs 5                              # all GPUs (or CPU ranks) of this machine
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from {{ cookiecutter.package_name }}.checkpoint import Checkpointer, check_checkpoint_dir
+from {{ cookiecutter.package_name }}.checkpoint import build_checkpointer, check_checkpoint_dir
 from {{ cookiecutter.package_name }}.data import build_datasets, build_loaders, check_data_source, to_device
 from {{ cookiecutter.package_name }}.distributed import (
     EXIT_CODE_AFTER_SIGTERM,
@@ -49,16 +49,17 @@ def train(options: TrainOptions, env: DistEnv, device: torch.device) -> None:
     model = build_model(options.model, options.num_classes).to(device)
     channels_last = uses_channels_last(model, device, options.channels_last)
     model = model.to(memory_format=torch.channels_last) if channels_last else model
-    # Forward and backward through training_model (DDP, maybe compiled); save and evaluate `model` itself.
-    training_model = wrap_model(model, device, options.compile, options.grad_accum)
-    optimizer = build_optimizer(model, options)
-    total_steps = planned_steps(options, steps_per_epoch=len(train_loader) // options.grad_accum)
-    lr_schedule = build_lr_schedule(optimizer, options, total_steps)
     amp = MixedPrecision(resolve_precision(options.precision, device), device)
-    checkpointer = Checkpointer(options.ckpt_dir, options.keep_checkpoints, env, device, model=model,
-                                optimizer=optimizer, lr_schedule=lr_schedule, grad_scaler=amp)
+    # Forward and backward through training_model (DDP or FSDP2, maybe compiled); save and evaluate `model`.
+    training_model = wrap_model(model, device, options.strategy, options.compile, options.grad_accum,
+                                param_dtype=amp.param_dtype)
+    optimizer = build_optimizer(model, options)  # after wrapping: FSDP2 swaps in sharded parameters
+    steps_per_epoch = len(train_loader) // options.grad_accum
+    lr_schedule = build_lr_schedule(optimizer, options, steps_per_epoch)
+    checkpointer = build_checkpointer(options, env, device, model=model, optimizer=optimizer,
+                                      lr_schedule=lr_schedule, grad_scaler=amp)
     progress = checkpointer.resume()
-    meter = build_meter(options, env, device, total_steps, done_steps=progress.step)  # logs, metrics, bar
+    meter = build_meter(options, env, device, planned_steps(options, steps_per_epoch), done_steps=progress.step)
     micro_batch_size = options.batch_size * env.world_size  # samples per micro-step, all ranks together
 
     while not progress.finished(options.epochs, options.max_steps):

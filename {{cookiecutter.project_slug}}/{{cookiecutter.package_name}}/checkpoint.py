@@ -8,37 +8,19 @@ import re
 import tempfile
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from .distributed import DistEnv, all_reduce_int, barrier, broadcast_object
 from .errors import UsageError
+from .options import TrainOptions
 from .parallel import sync_buffers_from_main
+from .progress import TrainingProgress
 
 log = logging.getLogger(__name__)
 CHECKPOINT_NAME = re.compile(r"step-(\d+)\.pt")
-
-
-@dataclass
-class TrainingProgress:
-    """Where training stands: what a resumed run needs besides weights and optimizer state."""
-
-    step: int = 0  # optimizer steps completed
-    epoch: int = 0
-    samples_in_epoch: int = 0  # global samples (all ranks) of this epoch already trained on
-
-    def advance(self, global_batch_size: int) -> None:
-        self.step += 1
-        self.samples_in_epoch += global_batch_size
-
-    def finished(self, epochs: int, max_steps: int | None) -> bool:
-        return self.epoch >= epochs or (max_steps is not None and self.step >= max_steps)
-
-    def next_epoch(self) -> None:
-        self.epoch += 1
-        self.samples_in_epoch = 0
 
 
 def checkpoint_path(ckpt_dir: Path, step: int) -> Path:
@@ -128,6 +110,37 @@ def restore_training_state(state: dict, components: dict) -> TrainingProgress:
     return TrainingProgress(step=state["step"], epoch=state["epoch"], samples_in_epoch=state["samples_in_epoch"])
 
 
+def elect_writers(ckpt_dir: Path, env: DistEnv, device: torch.device) -> tuple[bool, int]:
+    """(is this rank a writer, how many writers): one per distinct storage behind --ckpt-dir.
+
+    The first rank of every node leaves a probe file; a node writes only if no lower-numbered node's
+    probe is visible to it, i.e. it is the first node on its storage. A collective: call on every rank.
+    """
+    token = broadcast_object(uuid.uuid4().hex if env.is_main_process else None)
+    probe = ckpt_dir / f".writer-probe-{token}-node{env.node_rank}"
+    if env.is_local_main_process:
+        probe.touch()
+    barrier(device)
+    is_writer = False
+    if env.is_local_main_process:
+        visible = [int(path.name.rsplit("node", 1)[1]) for path in ckpt_dir.glob(f".writer-probe-{token}-*")]
+        is_writer = min(visible) == env.node_rank
+    barrier(device)
+    if env.is_local_main_process:
+        probe.unlink()
+    writers = all_reduce_int(int(is_writer), device, "sum")
+    return is_writer, writers
+
+
+def build_checkpointer(options: TrainOptions, env: DistEnv, device: torch.device, **components):
+    """A Checkpointer (one step-<N>.pt) for DDP, a ShardedCheckpointer (step-<N>/ folders) for FSDP2."""
+    if options.strategy == "fsdp2":
+        from .sharded_checkpoint import ShardedCheckpointer  # here, not at the top: it imports this module
+
+        return ShardedCheckpointer(options.ckpt_dir, options.keep_checkpoints, env, device, **components)
+    return Checkpointer(options.ckpt_dir, options.keep_checkpoints, env, device, **components)
+
+
 class Checkpointer:
     """Saving and resuming for a data-parallel job, whether or not --ckpt-dir is shared between nodes.
 
@@ -149,7 +162,7 @@ class Checkpointer:
         self.env = env
         self.device = device
         self.last_saved_step: int | None = None
-        self.is_writer, writers = self._elect_writers()
+        self.is_writer, writers = elect_writers(self.ckpt_dir, env, device)
         log.info("checkpoints in %s, written by %d %s", self.ckpt_dir, writers,
                  "node (shared folder)" if writers == 1 else "nodes (node-local folders)")
         if self.is_writer:
@@ -160,27 +173,6 @@ class Checkpointer:
         for leftover in self.ckpt_dir.glob(".step-*.pt.*.tmp"):
             leftover.unlink(missing_ok=True)
             log.warning("removed %s, left by a save that was interrupted", leftover)
-
-    def _elect_writers(self) -> tuple[bool, int]:
-        """(is this rank a writer, how many writers): one per distinct storage behind --ckpt-dir.
-
-        The first rank of every node leaves a probe file; a node writes only if no lower-numbered node's
-        probe is visible to it, i.e. it is the first node on its storage. A collective: call on every rank.
-        """
-        token = broadcast_object(uuid.uuid4().hex if self.env.is_main_process else None)
-        probe = self.ckpt_dir / f".writer-probe-{token}-node{self.env.node_rank}"
-        if self.env.is_local_main_process:
-            probe.touch()
-        barrier(self.device)
-        is_writer = False
-        if self.env.is_local_main_process:
-            visible = [int(path.name.rsplit("node", 1)[1]) for path in self.ckpt_dir.glob(f".writer-probe-{token}-*")]
-            is_writer = min(visible) == self.env.node_rank
-        barrier(self.device)
-        if self.env.is_local_main_process:
-            probe.unlink()
-        writers = all_reduce_int(int(is_writer), self.device, "sum")
-        return is_writer, writers
 
     def save(self, progress: TrainingProgress) -> None:
         if progress.step == self.last_saved_step:  # e.g. the final save right after a periodic one

@@ -169,11 +169,15 @@ def build_loaders(train_set: Dataset, eval_set: Dataset, options: TrainOptions, 
     common = dict(batch_size=options.batch_size, num_workers=options.num_workers,
                   pin_memory=device.type == "cuda", persistent_workers=options.num_workers > 0,
                   worker_init_fn=ignore_termination_signals)
-    # drop_last keeps every step's batch the same size on every rank.
-    train_loader = DataLoader(train_set, sampler=sampler, drop_last=True, **common)
+    # drop_last keeps every step's batch the same size on every rank. A generator of its own: otherwise each
+    # new epoch's iterator draws a seed from the global RNG, and a resumed run (restored RNG, one more
+    # iterator) would continue with other random numbers than the uninterrupted one (e.g. dropout masks).
+    train_loader = DataLoader(train_set, sampler=sampler, drop_last=True,
+                              generator=torch.Generator().manual_seed(options.seed), **common)
     # Evaluation shards without padding, so sums and counts over ranks count every sample exactly once.
     eval_shard = Subset(eval_set, range(env.rank, len(eval_set), env.world_size))
-    eval_loader = DataLoader(eval_shard, shuffle=False, **common)
+    eval_loader = DataLoader(eval_shard, shuffle=False, generator=torch.Generator().manual_seed(options.seed),
+                             **common)
     if len(train_loader) == 0:
         raise UsageError(
             f"the training set ({len(train_set)} samples) gives no full step of {options.grad_accum} x "

@@ -6,8 +6,9 @@ import math
 
 import torch
 
-from .distributed import all_reduce_sum
-from .parallel import sync_buffers_from_main
+from .distributed import all_reduce_int, all_reduce_sum
+from .errors import UsageError
+from .parallel import forward_is_collective, sync_buffers_from_main
 
 
 @torch.no_grad()
@@ -18,12 +19,21 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device) -> tuple[floa
     was_training = model.training
     model.eval()
     totals = torch.zeros(3, device=device, dtype=torch.float64)  # loss sum, correct, count
+    images = None
     for images, labels in loader:
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         logits = model(images)
         totals[0] += torch.nn.functional.cross_entropy(logits, labels, reduction="sum").double()
         totals[1] += (logits.argmax(dim=1) == labels).sum()
         totals[2] += labels.numel()
+    if forward_is_collective(model):
+        # Shards differ by up to one sample, so batch counts may too; a rank with fewer batches repeats its
+        # last forward (uncounted) until all have run as many, or the others would wait for it forever.
+        most = all_reduce_int(len(loader), device, "max")
+        if all_reduce_int(len(loader), device, "min") == 0 < most:
+            raise UsageError("the held-out split has fewer samples than there are ranks; use more data")
+        for _ in range(most - len(loader)):
+            model(images)
     model.train(was_training)
     loss_sum, correct, count = all_reduce_sum(totals).tolist()
     if count == 0:

@@ -31,18 +31,24 @@ class TrainOptions:
     image_size: int = option(32, "images are resized (imagefolder) or generated (fake) at this side length")
     num_classes: int = option(10, "classes of the classifier head (cifar10 has 10)")
     epochs: int = option(10, "passes over the training set")
-    max_steps: int | None = option(None, "stop after this many optimizer steps in total (default: no limit)")
+    max_steps: int | None = option(
+        None, "stop after this many optimizer steps in total (default: no limit); the lr schedule still spans "
+        "--epochs, so a run stopped here and restarted with a larger value continues unchanged")
     batch_size: int = option(64, "samples per rank per step; the global batch is this times the world size")
     lr: float = option(0.01, "peak learning rate of SGD with momentum 0.9")
     lr_schedule: Literal["cosine", "constant"] = option(
-        "cosine", "after warmup: cosine decay to 0 over the run, or constant")
-    warmup_steps: int | None = option(None, "optimizer steps of linear warmup (default: 5%% of the run)")
+        "cosine", "after warmup: cosine decay to 0 at the end of --epochs, or constant")
+    warmup_steps: int | None = option(None, "optimizer steps of linear warmup (default: 5%% of --epochs)")
     grad_accum: int = option(
         1, "micro-batches per optimizer step; gradients are all-reduced once per step, "
         "so the global batch is --batch-size x world size x this")
     clip_grad: float | None = option(None, "clip the gradient norm to this before each step (default: no clipping)")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = option(
         "auto", "autocast dtype; auto: bf16 on CUDA that supports it, else fp32. fp16 uses a gradient scaler")
+    strategy: Literal["ddp", "fsdp2"] = option(
+        {{ cookiecutter.strategy | python_string }}, "ddp: a full model copy per rank, gradients all-reduced; "
+        "fsdp2: parameters, gradients and optimizer state sharded across ranks (checkpoints become step-<N>/ "
+        "folders of shards)")
     compile: bool = option(False, "torch.compile the model (the first steps are slow while it compiles)")
     channels_last: bool | None = option(
         None, "NHWC memory format for convolutional models (default: on for CUDA, off for CPU)")
@@ -79,6 +85,9 @@ class TrainOptions:
             raise UsageError(f"--lr must be > 0, got {self.lr}")
         if self.warmup_steps is not None and self.warmup_steps < 0:
             raise UsageError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        if self.strategy == "fsdp2" and self.precision == "fp16":
+            raise UsageError("--precision fp16 needs a gradient scaler that FSDP2 shards do not support here; "
+                             "use --precision bf16 (or fp32) with --strategy fsdp2")
         if self.clip_grad is not None and not self.clip_grad > 0:
             raise UsageError(f"--clip-grad must be > 0 (or left out for no clipping), got {self.clip_grad}")
 

@@ -1,5 +1,5 @@
-"""Data parallelism for the model: DDP replicas (and torch.compile on top), gradient-sync control for
-accumulation, and the buffer sync that DDP leaves to the next forward pass."""
+"""Data parallelism for the model: DDP replicas or FSDP2 shards (and torch.compile on top), gradient-sync
+control for accumulation, and the buffer sync that neither does between steps."""
 
 from __future__ import annotations
 
@@ -7,14 +7,22 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 
-def wrap_model(model: torch.nn.Module, device: torch.device, compile_model: bool = False,
-               grad_accum: int = 1) -> torch.nn.Module:
-    """The module to run forward and backward through: DDP over the already-placed model (the model itself
-    for one plain process), compiled when asked. Save, load and evaluate the unwrapped `model`."""
-    if dist.is_initialized():
+def wrap_model(model: torch.nn.Module, device: torch.device, strategy: str = "ddp", compile_model: bool = False,
+               grad_accum: int = 1, param_dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """The module to run forward and backward through, compiled when asked.
+
+    ddp: DDP replicas over the already-placed model; save, load and evaluate the unwrapped `model`.
+    fsdp2: `model` itself, its parameters sharded in place (each rank holds 1/world_size of them).
+    One plain process: the model itself.
+    """
+    if dist.is_initialized() and strategy == "fsdp2":
+        shard_model(model, param_dtype)
+    elif dist.is_initialized():
         model = DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None,
             # Gradients are views into the all-reduce buckets: no copy in or out of them, less memory.
@@ -31,13 +39,59 @@ def wrap_model(model: torch.nn.Module, device: torch.device, compile_model: bool
     return model
 
 
+def shard_model(model: nn.Module, param_dtype: torch.dtype | None) -> None:
+    """fully_shard each block, then the root: a block's parameters are all-gathered just before its forward
+    and freed after, so only one block is ever whole. Gradients are reduce-scattered in fp32."""
+    if param_dtype is not None:
+        # BatchNorm computes in the input's dtype but needs its weights to match its fp32 running statistics:
+        # give each its own group that is not cast (as FSDP1's mixed precision did).
+        for norm in [module for module in model.modules() if isinstance(module, nn.modules.batchnorm._BatchNorm)]:
+            fully_shard(norm, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
+    for block in shardable_blocks(model):
+        if isinstance(block, FSDPModule):  # a top-level BatchNorm, already its own group
+            continue
+        fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32))
+    # The root holds what no block does (stem, head); its outputs return in fp32 for the loss.
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
+                                                      output_dtype=torch.float32))
+
+
+def shardable_blocks(model: nn.Module) -> list[nn.Module]:
+    """The units to shard: the members of the model's top-level Sequentials (ResNet's residual blocks, a
+    ViT's encoder layers, small_cnn's blocks), else its top-level children. Adjust for your own model."""
+    blocks = []
+    for child in model.children():
+        members = list(child.children()) if isinstance(child, nn.Sequential) else [child]
+        blocks += [member for member in members if any(True for _ in member.parameters())]
+    return blocks
+
+
+def forward_is_collective(model: nn.Module) -> bool:
+    """FSDP2 all-gathers parameters inside forward, so every rank must run the same number of forwards."""
+    return isinstance(model, FSDPModule)
+
+
 def gradient_sync(training_model: torch.nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
     """Wrap a micro-step's forward and backward: with enabled=False, gradients accumulate locally and the
     all-reduce is skipped; the step that finally syncs all-reduces the accumulated sum once."""
-    ddp = getattr(training_model, "_orig_mod", training_model)  # under torch.compile
-    if enabled or not isinstance(ddp, DistributedDataParallel):
+    module = getattr(training_model, "_orig_mod", training_model)  # under torch.compile
+    if enabled:
         return contextlib.nullcontext()
-    return ddp.no_sync()
+    if isinstance(module, FSDPModule):
+        return fsdp_gradient_sync_off(module)
+    if isinstance(module, DistributedDataParallel):
+        return module.no_sync()
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def fsdp_gradient_sync_off(module: FSDPModule):
+    """FSDP2's no_sync: gradients stay unsharded and local until a backward with sync on."""
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
 
 
 def sync_buffers_from_main(model: torch.nn.Module) -> None:

@@ -32,6 +32,11 @@ class MixedPrecision:
         self.device = device
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
 
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        """What FSDP2 all-gathers parameters in for compute (its shards stay fp32); None: unchanged."""
+        return None if self.precision == "fp32" else DTYPES[self.precision]
+
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.precision == "fp32":
             return contextlib.nullcontext()

@@ -1,0 +1,138 @@
+"""FSDP2 from the same loop (strategy=fsdp2), with numbers: it trains what DDP trains, its sharded
+checkpoints survive kill -9 bit for bit, reshard from 2 ranks to 1, fall back past a torn save, and export to
+one plain .pt file."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from conftest import run, tool_env, wait_for, worker_pids
+
+# small_cnn: no batch statistics, so 1 rank x 32 samples and 2 ranks x 16 compute the same update.
+# 512 samples over 2 ranks of 16: 16 steps an epoch.
+RUN = ["--data", "fake", "--model", "small_cnn", "--fake-samples", "512", "--image-size", "16", "--device", "cpu",
+       "--num-workers", "0", "--ckpt-every", "4", "--keep-checkpoints", "100", "--log-every", "4"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_project(bake) -> Path:
+    return bake(strategy="fsdp2")
+
+
+def launch(project: Path, nproc: int, *args: str) -> subprocess.CompletedProcess:
+    result = run(["./run_node.sh", *RUN, *args], cwd=project, NPROC_PER_NODE=str(nproc), MAX_RESTARTS="0")
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def sharded_state(folder: Path, scratch: Path) -> dict:
+    """Everything a step-<N>/ folder holds, reassembled from its shards (torch's own converter)."""
+    whole = scratch / f"{folder.parent.name}-{folder.name}.pt"
+    dcp_to_torch_save(folder, whole)
+    return torch.load(whole, weights_only=True)
+
+
+def tensors(state: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor in a nested state, by its path."""
+    found = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            found[f"{prefix}{key}"] = value
+        elif isinstance(value, dict):
+            found |= tensors(value, f"{prefix}{key}.")
+    return found
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(fsdp_project, tmp_path_factory) -> Path:
+    """Sharded checkpoints every 4 steps of an undisturbed 2-rank run to step 12: the reference."""
+    ckpt_dir = tmp_path_factory.mktemp("fsdp-uninterrupted")
+    launch(fsdp_project, 2, "--batch-size", "16", "--max-steps", "12", "--ckpt-dir", str(ckpt_dir))
+    return ckpt_dir
+
+
+def test_sharded_checkpoints_are_complete_step_folders(fsdp_project, uninterrupted):
+    assert sorted(path.name for path in uninterrupted.iterdir()) == ["step-12", "step-4", "step-8"]
+    for folder in uninterrupted.iterdir():
+        assert (folder / ".metadata").is_file()
+        assert sorted(path.name for path in folder.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+
+def test_fsdp2_trains_what_ddp_trains_and_exports_one_plain_file(fsdp_project, uninterrupted, tmp_path):
+    ddp_dir = tmp_path / "ddp"
+    launch(fsdp_project, 2, "--strategy", "ddp", "--batch-size", "16", "--max-steps", "12",
+           "--ckpt-dir", str(ddp_dir))
+    ddp_model = torch.load(ddp_dir / "step-12.pt", weights_only=True)["model"]
+
+    exported = tmp_path / "exported" / "model.pt"
+    result = run(["python", "-m", "ddp_training.export", str(uninterrupted), str(exported)], cwd=fsdp_project)
+    assert result.returncode == 0, result.stderr
+    assert "from " + str(uninterrupted / "step-12") in result.stdout  # the newest
+    fsdp_model = torch.load(exported, weights_only=True)
+    assert fsdp_model.keys() == ddp_model.keys(), "the same parameter names as an unwrapped model"
+    # Sharded all-gather/reduce-scatter against DDP's all-reduce: the same update, summed in another order.
+    for name, tensor in ddp_model.items():
+        assert torch.allclose(fsdp_model[name], tensor, atol=1e-5), name
+
+
+def test_kill_9_mid_run_resumes_bitwise(fsdp_project, uninterrupted, tmp_path):
+    ckpt_dir = tmp_path / "killed"
+    launcher = subprocess.Popen(["./run_node.sh", *RUN, "--batch-size", "16", "--max-steps", "12",
+                                 "--ckpt-dir", str(ckpt_dir)], cwd=fsdp_project,
+                                env=tool_env(NPROC_PER_NODE="2", MAX_RESTARTS="1"), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    wait_for(ckpt_dir / "step-4", launcher)
+    os.kill(worker_pids(launcher)[-1], signal.SIGKILL)
+    output, _ = launcher.communicate(timeout=300)
+    assert launcher.returncode == 0, output
+    assert "resuming from" in output and "step-4" in output, output
+    expected = tensors(sharded_state(uninterrupted / "step-12", tmp_path))
+    actual = tensors(sharded_state(ckpt_dir / "step-12", tmp_path))
+    assert actual.keys() == expected.keys() and any(name.startswith("optimizer.") for name in expected)
+    for name, tensor in expected.items():
+        assert torch.equal(actual[name], tensor), f"{name} differs after the restart"
+
+
+def test_two_ranks_to_one_reshards_and_continues_the_same_run(fsdp_project, uninterrupted, tmp_path):
+    ckpt_dir = tmp_path / "resharded"
+    ckpt_dir.mkdir()
+    shutil.copytree(uninterrupted / "step-8", ckpt_dir / "step-8")
+    # One rank of 32 samples: the same global batch, so the same run continues on half the ranks.
+    result = launch(fsdp_project, 1, "--batch-size", "32", "--max-steps", "12", "--ckpt-dir", str(ckpt_dir))
+    assert "step 8, epoch 0, 256 samples into the epoch, saved by 2 ranks" in result.stderr
+    expected = tensors(sharded_state(uninterrupted / "step-12", tmp_path))
+    actual = tensors(sharded_state(ckpt_dir / "step-12", tmp_path))
+    for name, tensor in expected.items():
+        assert torch.allclose(actual[name], tensor, atol=1e-5), name
+
+
+def test_torn_newest_folder_and_partial_save_fall_back_to_the_previous(fsdp_project, uninterrupted, tmp_path):
+    ckpt_dir = tmp_path / "torn"
+    ckpt_dir.mkdir()
+    for name in ("step-4", "step-8"):
+        shutil.copytree(uninterrupted / name, ckpt_dir / name)
+    shard = ckpt_dir / "step-8" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a copy cut short
+    (ckpt_dir / ".step-12.partial").mkdir()  # a save killed before it was published
+    result = launch(fsdp_project, 2, "--batch-size", "16", "--max-steps", "8", "--ckpt-dir", str(ckpt_dir))
+    assert "skipping incomplete checkpoint" in result.stderr and "__1_0.distcp" in result.stderr
+    assert "removed" in result.stderr and not (ckpt_dir / ".step-12.partial").exists()
+    assert "resuming from " + str(ckpt_dir / "step-4") in result.stderr
+    expected = tensors(sharded_state(uninterrupted / "step-8", tmp_path))
+    actual = tensors(sharded_state(ckpt_dir / "step-8", tmp_path))
+    for name, tensor in expected.items():
+        assert torch.equal(actual[name], tensor), name
+
+
+def test_fp16_with_fsdp2_is_one_clear_line(fsdp_project, tmp_path):
+    result = run(["python", "train.py", *RUN, "--precision", "fp16", "--ckpt-dir", str(tmp_path)], cwd=fsdp_project)
+    assert result.returncode == 1
+    assert result.stderr.startswith("error: --precision fp16 needs a gradient scaler"), result.stderr

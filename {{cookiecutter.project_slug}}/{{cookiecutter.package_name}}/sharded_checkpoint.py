@@ -1,0 +1,158 @@
+"""FSDP2 checkpoints: <ckpt-dir>/step-<N>/ folders of torch.distributed.checkpoint (DCP) shards, every rank
+writing its own, loadable by any number of ranks (DCP reshards on load).
+
+A save goes to .step-<N>.partial/ and is renamed to step-<N>/ only after every rank has written its shards
+and DCP has written the folder's .metadata, so a crash mid-save never leaves a folder that looks complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import time
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from .checkpoint import elect_writers
+from .distributed import DistEnv, barrier, broadcast_object
+from .errors import UsageError
+from .parallel import sync_buffers_from_main
+from .progress import TrainingProgress
+
+log = logging.getLogger(__name__)
+CHECKPOINT_FOLDER = re.compile(r"step-(\d+)")
+
+
+def list_sharded_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every step-<N>/, newest first."""
+    found = [(int(match[1]), path) for path in ckpt_dir.glob("step-*")
+             if path.is_dir() and (match := CHECKPOINT_FOLDER.fullmatch(path.name))]
+    return sorted(found, reverse=True)
+
+
+def missing_pieces(folder: Path) -> str | None:
+    """Why a checkpoint folder cannot be loaded (no metadata, a shard file missing or cut short), or None.
+
+    Reads only DCP's index: every byte range it lists must exist, so a torn copy is caught before loading.
+    """
+    try:
+        metadata = dcp.FileSystemReader(folder).read_metadata()
+    except Exception as error:  # noqa: BLE001 - any unreadable index disqualifies the folder
+        return f"unreadable .metadata ({type(error).__name__}: {error})"
+    needed: dict[str, int] = {}
+    for item in metadata.storage_data.values():
+        needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
+    for name, size in sorted(needed.items()):
+        path = folder / name
+        if not path.is_file() or path.stat().st_size < size:
+            return f"{name} is missing or shorter than {size} bytes"
+    return None
+
+
+class ShardedCheckpointer:
+    """Saving and resuming for FSDP2, with the same rules as Checkpointer: newest valid step-<N>/ wins,
+    incomplete ones are skipped with a warning, newest --keep-checkpoints are kept.
+
+    Every rank holds only its shards, so every rank writes; --ckpt-dir must be one folder all nodes share.
+    """
+
+    def __init__(self, ckpt_dir: str, keep: int, env: DistEnv, device: torch.device, *, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, **components):
+        self.ckpt_dir = Path(ckpt_dir)
+        self.keep = keep
+        self.env = env
+        self.device = device
+        self.model = model
+        self.optimizer = optimizer
+        self.components = components  # lr schedule, gradient scaler: small, saved as plain objects
+        self.last_saved_step: int | None = None
+        _, storages = elect_writers(self.ckpt_dir, env, device)
+        if storages > 1:
+            raise UsageError(f"--ckpt-dir {self.ckpt_dir} is a different folder on each node, but --strategy "
+                             "fsdp2 checkpoints are written by every rank; use a folder all nodes share")
+        log.info("sharded checkpoints in %s, written by all %d ranks", self.ckpt_dir, env.world_size)
+        if env.is_main_process:
+            for leftover in self.ckpt_dir.glob(".step-*.partial"):
+                shutil.rmtree(leftover, ignore_errors=True)
+                log.warning("removed %s, left by a save that was interrupted", leftover)
+        barrier(device)
+
+    def _state(self) -> dict:
+        # get_state_dict: parameter names without wrapper prefixes, optimizer state keyed by those names (not
+        # by position), each rank's tensors only its shards, as DTensors DCP knows how to place.
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optimizer": optimizer_state, "torch_rng_state": torch.get_rng_state(),
+                **{name: component.state_dict() for name, component in self.components.items()}}
+
+    def save(self, progress: TrainingProgress) -> None:
+        if progress.step == self.last_saved_step:
+            return
+        self.last_saved_step = progress.step
+        started = time.perf_counter()
+        sync_buffers_from_main(self.model)
+        state = {**self._state(), "progress": {**asdict(progress), "world_size": self.env.world_size}}
+        final = self.ckpt_dir / f"step-{progress.step}"
+        partial = self.ckpt_dir / f".step-{progress.step}.partial"
+        dcp.save(state, checkpoint_id=partial)  # returns on every rank once all shards and .metadata are written
+        if self.env.is_main_process:
+            publish(partial, final)
+            for _, old in list_sharded_checkpoints(self.ckpt_dir)[self.keep:]:
+                shutil.rmtree(old, ignore_errors=True)
+            log.info("saved %s in %.2f s", final, time.perf_counter() - started)
+        barrier(self.device)
+
+    def resume(self) -> TrainingProgress:
+        """Load the newest complete step-<N>/ into model, optimizer and the rest, resharding if the world
+        size changed (a collective)."""
+        candidates = []
+        if self.env.is_main_process:
+            for _, folder in list_sharded_checkpoints(self.ckpt_dir):
+                if problem := missing_pieces(folder):
+                    log.warning("skipping incomplete checkpoint %s (%s)", folder, problem)
+                else:
+                    candidates.append(folder)
+        candidates = broadcast_object(candidates)
+        if not candidates:
+            log.info("no valid checkpoint in %s; starting from scratch", self.ckpt_dir)
+            return TrainingProgress()
+        folder = candidates[0]
+        state = {**self._state(), "progress": {**asdict(TrainingProgress()), "world_size": 0}}  # shape to fill
+        try:
+            dcp.load(state, checkpoint_id=folder)  # into this rank's shards, from whichever ranks saved them
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as error:
+            first_line = str(error).strip().splitlines()[0]
+            raise UsageError(f"{folder} does not fit this model or optimizer ({first_line}); "
+                             "use another --ckpt-dir, or the options it was trained with") from None
+        for name, component in self.components.items():
+            component.load_state_dict(state[name])
+        torch.set_rng_state(state["torch_rng_state"])
+        saved = state["progress"]
+        progress = TrainingProgress(saved["step"], saved["epoch"], saved["samples_in_epoch"])
+        self.last_saved_step = progress.step
+        log.info("resuming from %s (step %d, epoch %d, %d samples into the epoch, saved by %d ranks)",
+                 folder, progress.step, progress.epoch, progress.samples_in_epoch, saved["world_size"])
+        return progress
+
+
+def publish(partial: Path, final: Path) -> None:
+    """Rename the finished folder into place (replacing a same-step folder from an earlier attempt), and make
+    the rename durable."""
+    if final.exists():
+        stale = final.with_name(f".{final.name}.stale-{uuid.uuid4().hex}")
+        os.replace(final, stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    os.replace(partial, final)
+    directory = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
