@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 
 import torch
@@ -62,14 +63,16 @@ def compute(args) -> None:
     model, optimizer = build(args)
     images = torch.randn(args.batch_size, 3, args.image_size, args.image_size)
     labels = torch.randint(0, 10, (args.batch_size,))
+    window, rates = 5, []  # samples/s per 5 steps, as train.py's metrics.jsonl rows with --log-every 5
     for step in range(args.steps):
-        if step == args.steps // 4:  # after warm-up
+        if step % window == 0:
             started = time.perf_counter()
         optimizer.zero_grad()
         F.cross_entropy(model(images), labels).backward()
         optimizer.step()
-    measured = args.steps - args.steps // 4
-    print(f"samples/s {measured * args.batch_size / (time.perf_counter() - started):.2f}")
+        if step % window == window - 1:
+            rates.append(window * args.batch_size / (time.perf_counter() - started))
+    print(f"samples/s {statistics.median(rates[len(rates) // 4:]):.2f}")  # after warm-up
 
 
 if __name__ == "__main__":

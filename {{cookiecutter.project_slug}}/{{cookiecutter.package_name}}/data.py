@@ -19,24 +19,28 @@ MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 
 
 class LearnableFakeData(Dataset):
-    """torchvision's FakeData (random images, deterministic per index) plus a faint pattern per class,
-    so a model can learn something that generalises to the held-out split: loss falls, accuracy rises."""
+    """Random images, deterministic per index, plus a faint pattern per class, so a model can learn
+    something that generalises to the held-out split: loss falls, accuracy rises."""
 
     def __init__(self, size: int, image_size: int, num_classes: int, seed: int, first_index: int = 0):
-        # FakeData seeds sample i with i + random_offset: splits with disjoint index ranges share no image.
-        self.images = datasets.FakeData(
-            size=size, image_size=(3, image_size, image_size), num_classes=num_classes,
-            transform=transforms.ToTensor(), random_offset=seed * 1_000_003 + first_index,
-        )
+        self.size = size
+        self.shape = (3, image_size, image_size)
+        self.num_classes = num_classes
+        # Sample i is drawn from seed i + offset: splits with disjoint index ranges share no image.
+        self.offset = seed * 1_000_003 + first_index
         patterns = torch.Generator().manual_seed(seed)
-        self.class_patterns = torch.rand(num_classes, 3, image_size, image_size, generator=patterns)
+        self.class_patterns = torch.rand(num_classes, *self.shape, generator=patterns)
 
     def __len__(self) -> int:
-        return len(self.images)
+        return self.size
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        image, label = self.images[index]
-        return 0.5 * image + 0.5 * self.class_patterns[label], int(label)
+        # A generator of its own, not torch.manual_seed: that also queues a seed for every lazily
+        # initialised GPU backend, with a stack trace each time, and cost 1 ms a sample (benchmarks/).
+        generator = torch.Generator().manual_seed(self.offset + index)
+        label = int(torch.randint(self.num_classes, (), generator=generator))
+        noise = torch.rand(self.shape, generator=generator)
+        return 0.5 * noise + 0.5 * self.class_patterns[label], label
 
 
 class SeededSampleDataset(Dataset):
@@ -56,8 +60,10 @@ class SeededSampleDataset(Dataset):
 
     def __getitem__(self, key: tuple[int, int]):
         epoch, index = key
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(((self.seed * 1_000_003 + epoch) * 1_000_033 + index) % 2**63)
+        with torch.random.fork_rng(devices=[]):  # transforms draw from the global CPU generator
+            # Not torch.manual_seed, which also seeds (lazily, expensively) every GPU backend: only the CPU
+            # generator matters here.
+            torch.default_generator.manual_seed(((self.seed * 1_000_003 + epoch) * 1_000_033 + index) % 2**63)
             return self.dataset[index]
 
 

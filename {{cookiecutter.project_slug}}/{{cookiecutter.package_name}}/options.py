@@ -59,6 +59,8 @@ class TrainOptions:
     device: Literal["auto", "cpu", "cuda"] = option(
         "auto", "auto: cuda:LOCAL_RANK when CUDA is available, else cpu")
     num_workers: int = option(2, "DataLoader worker processes per rank")
+    eval_every: int = option(1, "evaluate on the held-out split every this many epochs and when training stops "
+                                "(0: never)")
     log_every: int = option(10, "log loss and throughput every this many steps (rank 0)")
     log_dir: str | None = option(
         None, "rank 0 writes LOG_DIR/metrics.jsonl (one JSON object per logged step and per evaluation) "
@@ -79,6 +81,8 @@ class TrainOptions:
             raise UsageError(f"--num-classes must be >= 2, got {self.num_classes}")
         if self.max_steps is not None and self.max_steps < 1:
             raise UsageError(f"--max-steps must be >= 1 (or left out for no limit), got {self.max_steps}")
+        if self.eval_every < 0:
+            raise UsageError(f"--eval-every must be >= 0 (0: never), got {self.eval_every}")
         if self.num_workers < 0:
             raise UsageError(f"--num-workers must be >= 0, got {self.num_workers}")
         if not self.lr > 0:

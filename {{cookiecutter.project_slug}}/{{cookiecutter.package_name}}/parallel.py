@@ -16,13 +16,14 @@ def wrap_model(model: torch.nn.Module, device: torch.device, strategy: str = "dd
                grad_accum: int = 1, param_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """The module to run forward and backward through, compiled when asked.
 
-    ddp: DDP replicas over the already-placed model; save, load and evaluate the unwrapped `model`.
+    ddp: DDP replicas over the already-placed model (none for a single rank); save, load and evaluate the
+    unwrapped `model`.
     fsdp2: `model` itself, its parameters sharded in place (each rank holds 1/world_size of them).
     One plain process: the model itself.
     """
     if dist.is_initialized() and strategy == "fsdp2":
         shard_model(model, param_dtype)
-    elif dist.is_initialized():
+    elif dist.is_initialized() and dist.get_world_size() > 1:  # one rank: DDP would only copy gradients
         model = DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None,
             # Gradients are views into the all-reduce buckets: no copy in or out of them, less memory.
