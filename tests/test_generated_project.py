@@ -24,6 +24,7 @@ BAD_OPTIONS = [
     (["--grad-accum", "0"], "error: --grad-accum must be >= 1, got 0"),
     (["--clip-grad", "0"], "error: --clip-grad must be > 0"),
     (["--warmup-steps", "-1"], "error: --warmup-steps must be >= 0, got -1"),
+    (["--eval-every", "-1"], "error: --eval-every must be >= 0 (0: never), got -1"),
 ]
 
 

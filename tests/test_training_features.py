@@ -121,9 +121,10 @@ def test_progress_bar_on_a_terminal_and_plain_lines_otherwise(default_project, t
     assert "4/4" in screen and "step/s" in screen, screen  # the tqdm bar, finished
     assert "saved" in screen, "log lines still reach the terminal, above the bar"
 
-    piped = run([*args, "--ckpt-dir", str(tmp_path / "piped")], cwd=default_project)
+    piped = run([*args, "--ckpt-dir", str(tmp_path / "piped"), "--eval-every", "0"], cwd=default_project)
     assert piped.returncode == 0 and "step/s" not in piped.stderr
     assert "step 4 | epoch 0 | loss" in piped.stderr
+    assert "eval loss" not in piped.stderr  # --eval-every 0
 
 
 def read_until_closed(descriptor: int) -> str:

@@ -19,6 +19,14 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device) -> tuple[floa
     was_training = model.training
     model.eval()
     totals = torch.zeros(3, device=device, dtype=torch.float64)  # loss sum, correct, count
+    lockstep = forward_is_collective(model)
+    if lockstep:
+        # FSDP2 all-gathers inside forward, so every rank must run as many forwards. Shards differ by up to one
+        # sample, so batch counts may too: agree on the most first (a collective, so before any forward), and
+        # a rank with fewer batches repeats its last one, uncounted.
+        most = all_reduce_int(len(loader), device, "max")
+        if all_reduce_int(len(loader), device, "min") == 0 < most:
+            raise UsageError("the held-out split has fewer samples than there are ranks; use more data")
     images = None
     for images, labels in loader:
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
@@ -26,12 +34,7 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device) -> tuple[floa
         totals[0] += torch.nn.functional.cross_entropy(logits, labels, reduction="sum").double()
         totals[1] += (logits.argmax(dim=1) == labels).sum()
         totals[2] += labels.numel()
-    if forward_is_collective(model):
-        # Shards differ by up to one sample, so batch counts may too; a rank with fewer batches repeats its
-        # last forward (uncounted) until all have run as many, or the others would wait for it forever.
-        most = all_reduce_int(len(loader), device, "max")
-        if all_reduce_int(len(loader), device, "min") == 0 < most:
-            raise UsageError("the held-out split has fewer samples than there are ranks; use more data")
+    if lockstep:
         for _ in range(most - len(loader)):
             model(images)
     model.train(was_training)
