@@ -67,13 +67,13 @@ def train(options: TrainOptions, env: DistEnv, device: torch.device) -> None:
         train_loader.sampler.set_epoch(progress.epoch, start_sample=progress.samples_in_epoch)
         for micro_step, (images, labels) in enumerate(meter.timed(train_loader), start=1):
             images, labels = to_device(images, labels, device, channels_last)
-            steps_now = micro_step % options.grad_accum == 0  # the last micro-batch of an optimizer step
-            with gradient_sync(training_model, enabled=steps_now):  # all-reduce only on the last micro-step
+            last_micro_batch = micro_step % options.grad_accum == 0  # of this optimizer step
+            with gradient_sync(training_model, enabled=last_micro_batch):  # all-reduce only on the last micro-step
                 with amp.autocast():
                     loss = F.cross_entropy(training_model(images), labels)
                 amp.backward(loss / options.grad_accum)  # the mean over the step's micro-batches
             meter.update(loss, micro_batch_size)
-            if not steps_now:
+            if not last_micro_batch:
                 continue
             amp.step(optimizer, model, options.clip_grad)  # clips first when --clip-grad is set
             optimizer.zero_grad(set_to_none=True)
