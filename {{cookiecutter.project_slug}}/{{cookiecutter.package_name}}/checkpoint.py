@@ -53,11 +53,23 @@ def save_checkpoint_atomically(state: dict, path: Path) -> None:
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
-    directory = os.open(path.parent, os.O_RDONLY)
+    fsync_directory(path.parent)
+
+
+def fsync_directory(folder: Path) -> None:
+    """Make a rename into `folder` durable, not just the renamed file's contents."""
+    directory = os.open(folder, os.O_RDONLY)
     try:
-        os.fsync(directory)  # make the rename itself durable
+        os.fsync(directory)
     finally:
         os.close(directory)
+
+
+def checkpoint_mismatch(path: Path, error: Exception) -> UsageError:
+    """The one line for a checkpoint that loads but does not fit what this run built."""
+    first_line = str(error).strip().splitlines()[0]
+    return UsageError(f"{path} does not fit this model or optimizer ({first_line}); "
+                      "use another --ckpt-dir, or the options it was trained with")
 
 
 def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
@@ -201,9 +213,7 @@ class Checkpointer:
         try:
             progress = restore_training_state(state, self.components)
         except (RuntimeError, ValueError, KeyError) as error:
-            first_line = str(error).strip().splitlines()[0]
-            raise UsageError(f"{path} does not fit this model or optimizer ({first_line}); "
-                             "use another --ckpt-dir, or the options it was trained with") from None
+            raise checkpoint_mismatch(path, error) from None
         self.last_saved_step = progress.step
         log.info("resuming from %s (step %d, epoch %d, %d samples into the epoch, saved by %d ranks)",
                  path, progress.step, progress.epoch, progress.samples_in_epoch, state["world_size"])

@@ -20,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from .checkpoint import elect_writers
+from .checkpoint import checkpoint_mismatch, elect_writers, fsync_directory
 from .distributed import DistEnv, barrier, broadcast_object
 from .errors import UsageError
 from .parallel import sync_buffers_from_main
@@ -129,9 +129,7 @@ class ShardedCheckpointer:
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as error:
-            first_line = str(error).strip().splitlines()[0]
-            raise UsageError(f"{folder} does not fit this model or optimizer ({first_line}); "
-                             "use another --ckpt-dir, or the options it was trained with") from None
+            raise checkpoint_mismatch(folder, error) from None
         for name, component in self.components.items():
             component.load_state_dict(state[name])
         torch.set_rng_state(state["torch_rng_state"])
@@ -151,8 +149,4 @@ def publish(partial: Path, final: Path) -> None:
         os.replace(final, stale)
         shutil.rmtree(stale, ignore_errors=True)
     os.replace(partial, final)
-    directory = os.open(final.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    fsync_directory(final.parent)
