@@ -4,7 +4,6 @@ r"""Train an image classifier with DDP or FSDP2, launched by torchrun.
     python train.py --max-steps 50                        # one plain process, for debugging
     ./run_node.sh --epochs 5                              # all GPUs (or CPU ranks) of this machine
     NNODES=2 RDZV_ENDPOINT=node0:{{ cookiecutter.rdzv_port }} ./run_node.sh --epochs 5   # same on each machine
-    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1   # by hand: restarts can hang without it (run_node.sh sets it)
     torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d \
         --rdzv-endpoint=node0:{{ cookiecutter.rdzv_port }} --rdzv-id=job1 train.py --epochs 5
 
@@ -24,7 +23,8 @@ from {{ cookiecutter.package_name }}.data import build_datasets, build_loaders, 
 from {{ cookiecutter.package_name }}.distributed import (
     EXIT_CODE_AFTER_SIGTERM,
     DistEnv,
-    StopRequest,
+    StopAgreement,
+    StoreAddress,
     distributed_session,
     select_device,
 )
@@ -36,13 +36,16 @@ from {{ cookiecutter.package_name }}.optim import build_lr_schedule, build_optim
 from {{ cookiecutter.package_name }}.options import TrainOptions, parse_options
 from {{ cookiecutter.package_name }}.parallel import gradient_sync, uses_channels_last, wrap_model
 from {{ cookiecutter.package_name }}.precision import MixedPrecision, resolve_precision
-from {{ cookiecutter.package_name }}.reporting import describe_job, log, setup_logging, warn_about_launch_pitfalls
+from {{ cookiecutter.package_name }}.reporting import describe_job, log, setup_logging
+from {{ cookiecutter.package_name }}.watchdog import Watchdog
 
 
-def train(options: TrainOptions, env: DistEnv, device: torch.device) -> None:
+def train(options: TrainOptions, env: DistEnv, device: torch.device, store: StoreAddress | None) -> None:
     log.info("%s", describe_job(env, device))
-    warn_about_launch_pitfalls(env)
-    stop_request = StopRequest(device)  # from here on, SIGTERM means "save and stop at the next step"
+    # From here on SIGTERM means "save and stop at the next step", and a rank that stops making progress is
+    # ended (with its stack logged) so that torchrun restarts the group.
+    watchdog = Watchdog(env, store, step_timeout=options.step_timeout, io_timeout=options.io_timeout)
+    stop = StopAgreement()
     torch.manual_seed(options.seed)
     train_set, eval_set = build_datasets(options, env, device)
     train_loader, eval_loader = build_loaders(train_set, eval_set, options, env, device)
@@ -80,10 +83,13 @@ def train(options: TrainOptions, env: DistEnv, device: torch.device) -> None:
             progress.advance(micro_batch_size * options.grad_accum)
             meter.end_step(progress.step, progress.epoch, lr=lr_schedule.get_last_lr()[0])  # lr of this step
             lr_schedule.step()
+            watchdog.beat(progress.step)
             if progress.step % options.ckpt_every == 0:
-                checkpointer.save(progress)
-            if stop_request.agreed():  # SIGTERM reached some rank: preemption, or torchrun shutting down
-                checkpointer.save(progress)
+                with watchdog.slow_phase("saving a checkpoint"):
+                    checkpointer.save(progress)
+            if stop.agreed(watchdog.sigterm_received):  # SIGTERM reached some rank: preemption, or torchrun
+                with watchdog.slow_phase("saving a checkpoint after SIGTERM"):
+                    checkpointer.save(progress)
                 log.info("stopped by SIGTERM after step %d; run the same command again to resume", progress.step)
                 sys.exit(EXIT_CODE_AFTER_SIGTERM)
             if progress.finished(options.epochs, options.max_steps):
@@ -91,11 +97,13 @@ def train(options: TrainOptions, env: DistEnv, device: torch.device) -> None:
         else:  # the epoch ran to its end
             progress.next_epoch()
             if options.eval_every and progress.epoch % options.eval_every == 0:
-                meter.log_evaluation(progress.step, progress.epoch, evaluate(model, eval_loader, device))
+                with watchdog.slow_phase("evaluating"):
+                    meter.log_evaluation(progress.step, progress.epoch, evaluate(model, eval_loader, device))
 
-    if options.eval_every and progress.samples_in_epoch:  # stopped by --max-steps part-way through an epoch
-        meter.log_evaluation(progress.step, progress.epoch, evaluate(model, eval_loader, device))
-    checkpointer.save(progress)
+    with watchdog.slow_phase("final checkpoint and evaluation"):
+        checkpointer.save(progress)  # before the evaluation, so a failing evaluation loses no training
+        if options.eval_every and progress.samples_in_epoch:  # stopped by --max-steps part-way through an epoch
+            meter.log_evaluation(progress.step, progress.epoch, evaluate(model, eval_loader, device))
     meter.close()
 
 
@@ -110,8 +118,8 @@ def main(argv: list[str] | None = None) -> None:
         check_model_name(options.model)
         check_data_source(options)
         check_checkpoint_dir(options.ckpt_dir)
-        with distributed_session(env, device):
-            train(options, env, device)
+        with distributed_session(env, device, timeout=options.collective_timeout()) as store:
+            train(options, env, device, store)
     except UsageError as error:
         sys.stderr.write(f"error: {error}\n")  # one write, so lines from several ranks do not interleave
         sys.exit(1)

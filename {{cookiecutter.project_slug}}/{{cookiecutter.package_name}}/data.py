@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import signal
 from pathlib import Path
 
@@ -157,10 +158,18 @@ def check_data_source(options: TrainOptions) -> None:
                 f"({folder}/<class>/<image>.jpg) for --data imagefolder")
 
 
-def ignore_termination_signals(worker_id: int) -> None:
-    """DataLoader workers ignore SIGTERM/SIGINT sent to the whole process group (Slurm, Kubernetes, Ctrl-C):
-    the training process decides when to stop, saves, and then shuts its workers down itself."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def detach_from_job_signals(worker_id: int) -> None:
+    """DataLoader workers leave the training process's process group, so the SIGTERM or Ctrl-C that a
+    scheduler, torchrun (which signals its workers' groups) or a terminal sends the group does not reach
+    them: the training process decides when to stop, saves, and then shuts its workers down itself.
+
+    They keep SIGTERM's default action, so that shutdown is immediate. Workers that ignored SIGTERM instead
+    made every exit after an error wait for torchrun's SIGKILL, 30 s later: Python's exit terminates
+    daemonic children with SIGTERM, then joins them. A worker whose parent dies exits on its own (torch
+    checks the parent)."""
+    os.setpgid(0, 0)
+    signal.set_wakeup_fd(-1)  # the parent's watchdog pipe is not this process's
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
@@ -174,7 +183,7 @@ def build_loaders(train_set: Dataset, eval_set: Dataset, options: TrainOptions, 
                                           samples_per_step=options.batch_size * options.grad_accum)
     common = dict(batch_size=options.batch_size, num_workers=options.num_workers,
                   pin_memory=device.type == "cuda", persistent_workers=options.num_workers > 0,
-                  worker_init_fn=ignore_termination_signals)
+                  worker_init_fn=detach_from_job_signals)
     # drop_last keeps every step's batch the same size on every rank. A generator of its own: otherwise each
     # new epoch's iterator draws a seed from the global RNG, and a resumed run (restored RNG, one more
     # iterator) would continue with other random numbers than the uninterrupted one (e.g. dropout masks).

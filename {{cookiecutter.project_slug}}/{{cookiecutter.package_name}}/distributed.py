@@ -10,6 +10,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
+import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -104,22 +107,87 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+@dataclass(frozen=True)
+class StoreAddress:
+    """Where this job's key-value store listens (the watchdog opens a connection of its own to it)."""
+
+    host: str
+    port: int
+
+
 @contextlib.contextmanager
-def distributed_session(env: DistEnv, device: torch.device) -> Iterator[None]:
-    """Join the process group for the duration of the block (nothing to join for one plain process)."""
+def distributed_session(env: DistEnv, device: torch.device, timeout: timedelta) -> Iterator[StoreAddress | None]:
+    """Join the process group for the duration of the block (nothing to join for one plain process).
+
+    `timeout` bounds every collective; a stalled rank is usually caught sooner by the watchdog.
+    """
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before init, so NCCL never puts every rank's context on cuda:0
+    address = None
     if env.launched_by_torchrun:
-        # MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE come from torchrun through env://.
+        store, address = store_of_this_attempt(env, timeout)
         dist.init_process_group(
-            backend=backend_for(device), timeout=timedelta(minutes=10),
+            backend=backend_for(device), store=store, rank=env.rank, world_size=env.world_size, timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )
     try:
-        yield
+        yield address
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def store_of_this_attempt(env: DistEnv, timeout: timedelta) -> tuple[dist.Store, StoreAddress]:
+    """A TCPStore that no earlier attempt of this job has written to, and where it listens.
+
+    torchrun >= 2.5 hands every worker its own rendezvous store, which outlives restarts. The process group
+    keeps its keys (gloo's listening addresses among them) under fixed names, so a restarted worker can read
+    a dead predecessor's entry and connect to a port nobody listens on, then fail or hang
+    (pytorch/pytorch#135712); torch's per-restart key prefix breaks once nodes have different restart counts
+    (a node that joined later). So rank 0 of every attempt starts a fresh store and publishes its address
+    with a random token; the others skip entries whose store is gone or holds another token. Without a
+    shared store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) torchrun already gives each attempt a fresh one,
+    hosted by rank 0 at MASTER_ADDR:MASTER_PORT, as env:// would.
+    """
+    master = StoreAddress(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    if not env.store_shared_across_restarts:
+        store = dist.TCPStore(master.host, master.port, env.world_size, is_master=env.is_main_process,
+                              timeout=timeout, multi_tenant=True)
+        return store, master
+    shared = dist.TCPStore(master.host, master.port, is_master=False, timeout=timeout)
+    key = f"ddp-template/{env.run_id}/store-of-this-attempt"
+    if env.is_main_process:
+        host = address_toward(master.host)
+        fresh = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        token = uuid.uuid4().hex
+        fresh.set("token", token)
+        shared.set(key, f"{host} {fresh.port} {token}")
+        return fresh, StoreAddress(host, fresh.port)
+    deadline = time.monotonic() + timeout.total_seconds()
+    while time.monotonic() < deadline:
+        host, port, token = shared.get(key).decode().split()  # waits for rank 0's first entry
+        if listening(host, int(port)):  # a stale entry's store died with its rank 0: refused at once
+            candidate = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+            if candidate.get("token").decode() == token:
+                return candidate, StoreAddress(host, int(port))
+        time.sleep(0.05)
+    raise TimeoutError(f"rank 0 published no store for this attempt within {timeout}")
+
+
+def address_toward(host: str) -> str:
+    """This machine's address on the route to `host`: what the other machines can reach us at (a UDP
+    connect sends nothing; it only picks the route)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((socket.gethostbyname(host), 9))
+        return probe.getsockname()[0]
+
+
+def listening(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
@@ -162,24 +230,30 @@ def broadcast_object(value, source_rank: int = 0):
 EXIT_CODE_AFTER_SIGTERM = 128 + signal.SIGTERM
 
 
-class StopRequest:
-    """Turns SIGTERM into a stop that every rank agrees on.
+class StopAgreement:
+    """Turns "SIGTERM reached some rank" into a stop after the same step on every rank.
 
-    Slurm and Kubernetes send SIGTERM before they kill a job, and torchrun forwards it to its workers (then
-    waits about 30 s before SIGKILL). The handler only sets a flag; the loop asks `agreed()` once per step,
-    an all-reduce, so all ranks stop after the same step and can save one consistent checkpoint.
+    Each step, every rank all-reduces its flag (max) on a gloo group of its own, asynchronously, and reads
+    the result one step later: the collective never waits on the GPU and the GPU never waits on it (a
+    blocking read would cost a host sync per step). Every rank reads the same result at the same step.
     """
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.received = False
-        signal.signal(signal.SIGTERM, self._on_sigterm)
+    def __init__(self):
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.pending: tuple[torch.Tensor, dist.Work | None] | None = None
 
-    def _on_sigterm(self, signum, frame) -> None:
-        self.received = True
-
-    def agreed(self) -> bool:
-        return all_reduce_int(int(self.received), self.device, "max") > 0
+    def agreed(self, received: bool) -> bool:
+        stop = False
+        if self.pending is not None:
+            flag, work = self.pending
+            if work is not None:
+                work.wait()
+            stop = bool(flag.item())  # a CPU tensor: no device sync
+        flag = torch.tensor([int(received)], dtype=torch.int32)
+        work = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+                if self.group is not None else None)
+        self.pending = (flag, work)
+        return stop
 
 
 def run_once_per_node(env: DistEnv, device: torch.device, action: Callable[[], None], what: str) -> None:

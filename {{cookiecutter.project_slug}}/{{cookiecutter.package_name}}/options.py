@@ -9,6 +9,7 @@ import sys
 import types
 import typing
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Literal
 
 from .errors import UsageError
@@ -66,6 +67,11 @@ class TrainOptions:
         None, "rank 0 writes LOG_DIR/metrics.jsonl (one JSON object per logged step and per evaluation) "
         "and TensorBoard event files there")
     progress_bar: bool | None = option(None, "tqdm progress bar on rank 0 (default: only when stderr is a terminal)")
+    step_timeout: float = option(
+        120, "seconds a training step may take before its rank counts as stopped: it logs where every rank "
+        "was and exits, so torchrun restarts the group from the last checkpoint")
+    io_timeout: float = option(
+        1800, "the same for start-up (downloads, compilation, the first step), checkpoint I/O and evaluation")
     sample_log: str | None = option(
         None, "audit the data order: append each training-sample index this rank loads to "
         "SAMPLE_LOG/rank-<RANK>.txt (with --num-workers 0, exactly the samples trained on)")
@@ -92,8 +98,15 @@ class TrainOptions:
         if self.strategy == "fsdp2" and self.precision == "fp16":
             raise UsageError("--precision fp16 needs a gradient scaler that FSDP2 shards do not support here; "
                              "use --precision bf16 (or fp32) with --strategy fsdp2")
+        for name in ("step_timeout", "io_timeout"):
+            if not getattr(self, name) > 0:
+                raise UsageError(f"--{flag(name)} must be > 0 seconds, got {getattr(self, name)}")
         if self.clip_grad is not None and not self.clip_grad > 0:
             raise UsageError(f"--clip-grad must be > 0 (or left out for no clipping), got {self.clip_grad}")
+
+    def collective_timeout(self) -> timedelta:
+        """The process group's bound on any one collective: a backstop behind the watchdog's timeouts."""
+        return timedelta(seconds=max(self.step_timeout, self.io_timeout) + 60)
 
 
 def flag(name: str) -> str:

@@ -20,12 +20,6 @@ def setup_logging(env: DistEnv) -> None:
     )
 
 
-def warn_about_launch_pitfalls(env: DistEnv) -> None:
-    if env.store_shared_across_restarts and env.is_main_process:
-        log.warning("torchrun shares its TCPStore across restarts, so a restarted group may hang "
-                    "(pytorch/pytorch#135712); launch with run_node.sh, or export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
-
-
 def describe_job(env: DistEnv, device: torch.device) -> str:
     return (f"world_size={env.world_size} nodes={env.num_nodes} ranks_per_node={env.local_world_size} "
             f"backend={backend_for(device)} device={device} run_id={env.run_id} restart={env.restart_count}")

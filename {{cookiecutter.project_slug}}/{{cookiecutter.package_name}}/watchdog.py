@@ -1,0 +1,152 @@
+"""Keeps one stuck rank from stalling a job: a thread beside the training loop that ends this rank when it
+stops making progress, says where every rank was, and makes SIGTERM prompt.
+
+torchrun restarts a worker group only after a worker exits. A rank waiting in a collective for a peer that
+is stopped, stuck, or gone without closing its connections waits out the process-group timeout; and while
+the main thread is inside a collective (C++), Python runs no signal handler, so torchrun's SIGTERM goes
+unanswered until its SIGKILL 30 s later. This thread runs regardless: it sees SIGTERM through a wakeup
+pipe, and the main thread's progress through `beat()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import select
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from .distributed import EXIT_CODE_AFTER_SIGTERM, DistEnv, StoreAddress
+
+log = logging.getLogger(__name__)
+
+# Exit status of a rank that stopped making progress: non-zero, so torchrun restarts the group.
+EXIT_CODE_AFTER_HANG = 124
+# The main thread's innermost frame in one of these means it waits for other ranks: in a collective, or in a
+# backward pass whose gradient all-reduce waits for them.
+WAITING_IN = ("torch/distributed/", "torch/autograd/", "torch/_tensor.py")
+
+
+class Watchdog:
+    """`beat(step)` after every optimizer step; wrap slow phases (start-up, checkpoint I/O, evaluation) in
+    `slow_phase(...)`. A training step that takes longer than `step_timeout`, or a slow phase longer than
+    `io_timeout`, ends this rank after it has logged its stack and, on the lowest live rank, a summary naming
+    the rank that stopped. After SIGTERM, a rank that makes no progress for a few step times is blocked on a
+    peer that is gone: it exits at once instead of waiting for torchrun's SIGKILL."""
+
+    def __init__(self, env: DistEnv, store_address: StoreAddress | None, step_timeout: float, io_timeout: float):
+        self.env = env
+        self.step_timeout = step_timeout
+        self.io_timeout = io_timeout
+        self.sigterm_received = False
+        self._sigterm_seen_at: float | None = None
+        self._phase = ("starting", 0, True, time.monotonic())  # (what, step, is a slow phase, since)
+        self._longest_step = 0.0
+        self._main_thread = threading.main_thread().ident
+        self._store_address = store_address
+        # The C-level handler writes the signal number here even while the main thread is blocked in C++.
+        self._wakeup_read, wakeup_write = os.pipe()
+        os.set_blocking(wakeup_write, False)
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        signal.set_wakeup_fd(wakeup_write, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, name="watchdog", daemon=True).start()
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.sigterm_received = True
+
+    def beat(self, step: int) -> None:
+        """An optimizer step finished: the next one is a training step again."""
+        now = time.monotonic()
+        what, _, slow, since = self._phase
+        if not slow:
+            self._longest_step = max(self._longest_step, now - since)
+        self._phase = ("training step", step + 1, False, now)
+
+    @contextlib.contextmanager
+    def slow_phase(self, what: str) -> Iterator[None]:
+        """Checkpoint I/O, evaluation: allowed `io_timeout`, not `step_timeout`."""
+        _, step, _, _ = self._phase
+        self._phase = (what, step, True, time.monotonic())
+        try:
+            yield
+        finally:
+            self._phase = ("training step", step, False, time.monotonic())
+
+    def _watch(self) -> None:
+        while True:
+            if select.select([self._wakeup_read], [], [], 0.25)[0]:
+                if signal.SIGTERM in os.read(self._wakeup_read, 256):
+                    self.sigterm_received = True
+                    self._sigterm_seen_at = self._sigterm_seen_at or time.monotonic()
+            what, step, slow, since = self._phase
+            now = time.monotonic()
+            if now - since > (self.io_timeout if slow else self.step_timeout):
+                self._end_after_hang(what, step, now - since)
+            # In a preemption every rank soon reaches the next step and stops there together; a rank still
+            # inside the same training step a few step times after SIGTERM waits for a peer that has gone.
+            patience = 1.0 + 2 * self._longest_step
+            if (self._sigterm_seen_at and not slow and now - since > patience
+                    and now - self._sigterm_seen_at > patience):
+                log.error("[rank %d] SIGTERM while step %d has waited %.1f s for other ranks: one of them has "
+                          "gone; exiting now so torchrun can restart the group\n%s", self.env.rank, step,
+                          now - since, self._main_thread_stack())
+                os._exit(EXIT_CODE_AFTER_SIGTERM)
+
+    def _main_thread_stack(self) -> str:
+        frame = sys._current_frames().get(self._main_thread)
+        return "".join(traceback.format_stack(frame)) if frame else "(main thread not found)\n"
+
+    def _waiting_for_others(self) -> bool:
+        frame = sys._current_frames().get(self._main_thread)
+        innermost = traceback.extract_stack(frame)[-2:] if frame else []
+        return any(part in entry.filename for entry in innermost for part in WAITING_IN)
+
+    def _end_after_hang(self, what: str, step: int, stalled: float) -> None:
+        waiting = self._waiting_for_others()
+        report = {"rank": self.env.rank, "step": step, "phase": what, "stalled_s": round(stalled),
+                  "waiting_for_others": waiting}
+        sys.stderr.write(
+            f"[rank {self.env.rank}] no progress for {stalled:.0f} s in {what} (step {step}); "
+            f"{'waiting for other ranks' if waiting else 'NOT waiting for other ranks'}; its stack:\n"
+            f"{self._main_thread_stack()}")
+        sys.stderr.flush()
+        try:
+            self._share_and_summarize(report)
+        except Exception as error:  # noqa: BLE001 - the store lives on rank 0, which may be the one that stopped
+            sys.stderr.write(f"[rank {self.env.rank}] could not share this report ({type(error).__name__}); "
+                             "rank 0, which holds the job's store, may be the rank that stopped\n")
+        os._exit(EXIT_CODE_AFTER_HANG)
+
+    def _share_and_summarize(self, report: dict) -> None:
+        if self._store_address is None:
+            return
+        store = dist.TCPStore(self._store_address.host, self._store_address.port, is_master=False,
+                              timeout=timedelta(seconds=5))
+        prefix = "ddp-template/hang-report/"
+        store.set(f"{prefix}{self.env.rank}", json.dumps(report))
+        time.sleep(3)  # the other live ranks time out at about the same moment
+        reports = {rank: json.loads(store.get(f"{prefix}{rank}")) for rank in range(self.env.world_size)
+                   if store.check([f"{prefix}{rank}"])}
+        if min(reports) != self.env.rank:
+            return  # the lowest live rank writes the summary
+        silent = [rank for rank in range(self.env.world_size) if rank not in reports]
+        not_waiting = [rank for rank, seen in reports.items() if not seen["waiting_for_others"]]
+        stopped = silent + not_waiting
+        where = "; ".join(f"rank {rank}: step {seen['step']}, {seen['phase']}, "
+                          f"{'waiting for others' if seen['waiting_for_others'] else 'not waiting'}"
+                          for rank, seen in sorted(reports.items()))
+        culprit = (f"rank(s) {', '.join(map(str, stopped))} stopped making progress"
+                   + (f" ({', '.join(map(str, silent))} sent no report: stopped, or frozen)" if silent else "")
+                   if stopped else "every rank waits for the others: ranks called different collectives")
+        sys.stderr.write(f"HANG: {culprit}. Where each rank was: {where}. Stacks above; exiting so torchrun "
+                         "restarts the group from the last checkpoint.\n")
+        sys.stderr.flush()
