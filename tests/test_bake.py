@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 import zipfile
@@ -9,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import build_wheel, run
+from conftest import bake_command, bake_with_cli, build_wheel, run, run_in_terminal
 
 DEFAULT_FILES = {
-    ".gitignore", "README.md", "pyproject.toml", "run_node.sh", "train.py", "slurm/train.sbatch",
+    ".cookiecutter.json", ".gitignore", "README.md", "pyproject.toml", "run_node.sh", "train.py",
+    "slurm/train.sbatch",
     "tests/harness.py", "tests/test_smoke.py",
     *(f"ddp_training/{name}.py" for name in
       ("__init__", "checkpoint", "data", "distributed", "errors", "evaluation", "export", "metrics", "model",
@@ -65,6 +67,36 @@ def test_generated_project_builds_a_wheel_of_its_package(default_project, tmp_pa
     wheel = build_wheel(default_project, tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
     assert {f"ddp_training/{name}.py" for name in ("options", "distributed", "checkpoint")} <= set(names)
+
+
+def test_recorded_answers_are_every_answer_given(default_project):
+    assert json.loads((default_project / ".cookiecutter.json").read_text()) == {
+        "project_name": "DDP Training", "project_slug": "ddp-training", "package_name": "ddp_training",
+        "author": "Your Name", "nnodes": "1", "nproc_per_node": "auto", "rdzv_port": "29400", "max_restarts": "3",
+        "gpus_per_node": "8", "use_slurm": "yes", "use_kubernetes": "no", "strategy": "ddp"}
+
+
+def test_next_steps_are_printed_for_a_person_only(tmp_path):
+    (tmp_path / "terminal").mkdir()
+    status, output = run_in_terminal(bake_command(tmp_path / "terminal"), cwd=tmp_path / "terminal")
+    assert status == 0, output
+    assert "Next steps:" in output and f"cd {tmp_path / 'terminal' / 'ddp-training'}" in output, output
+    result = bake_with_cli(tmp_path)  # output captured by a log, a CI job, another program
+    assert result.returncode == 0, result.stderr
+    assert "Next steps" not in result.stdout + result.stderr
+
+
+def test_baking_again_without_slurm_removes_only_the_templates_files(tmp_path):
+    assert bake_with_cli(tmp_path).returncode == 0
+    slurm = tmp_path / "ddp-training" / "slurm"
+    (slurm / "our_sweep.sbatch").write_text("#!/bin/bash\n")
+    result = bake_with_cli(tmp_path, "--overwrite-if-exists", use_slurm="no")
+    assert result.returncode == 0, result.stderr
+    assert [path.name for path in slurm.iterdir()] == ["our_sweep.sbatch"], "the user's file must stay"
+    (slurm / "our_sweep.sbatch").unlink()
+    result = bake_with_cli(tmp_path, "--overwrite-if-exists", use_slurm="no")
+    assert result.returncode == 0, result.stderr
+    assert not slurm.exists(), "a folder left empty by the template's own files goes too"
 
 
 def test_generated_project_is_lint_clean(default_project):

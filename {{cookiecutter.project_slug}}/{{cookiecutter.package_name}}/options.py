@@ -46,7 +46,7 @@ class TrainOptions:
     precision: Literal["auto", "fp32", "bf16", "fp16"] = option(
         "auto", "autocast dtype; auto: bf16 on CUDA that supports it, else fp32. fp16 uses a gradient scaler")
     strategy: Literal["ddp", "fsdp2"] = option(
-        {{ cookiecutter.strategy | python_string }}, "ddp: a full model copy per rank, gradients all-reduced; "
+        "{{ cookiecutter.strategy }}", "ddp: a full model copy per rank, gradients all-reduced; "
         "fsdp2: parameters, gradients and optimizer state sharded across ranks (checkpoints become step-<N>/ "
         "folders of shards)")
     compile: bool = option(False, "torch.compile the model (the first steps are slow while it compiles)")
