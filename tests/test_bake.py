@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import tarfile
 import tomllib
 import zipfile
 from pathlib import Path
@@ -13,7 +15,7 @@ import pytest
 from conftest import bake_command, bake_with_cli, build_wheel, run, run_in_terminal
 
 DEFAULT_FILES = {
-    ".cookiecutter.json", ".gitignore", "README.md", "pyproject.toml", "run_node.sh", "train.py",
+    ".cookiecutter.json", ".gitignore", "MANIFEST.in", "README.md", "pyproject.toml", "run_node.sh", "train.py",
     "slurm/train.sbatch",
     "tests/harness.py", "tests/test_smoke.py",
     *(f"ddp_training/{name}.py" for name in
@@ -67,6 +69,31 @@ def test_generated_project_builds_a_wheel_of_its_package(default_project, tmp_pa
     wheel = build_wheel(default_project, tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
     assert {f"ddp_training/{name}.py" for name in ("options", "distributed", "checkpoint")} <= set(names)
+    # What the README says `pip install .` gives: the package, nothing else.
+    assert {name.split("/")[0] for name in names} == {"ddp_training", "ddp_training-0.1.0.dist-info"}
+    assert "`pip install .` (or the wheel `python -m build` makes) installs the `ddp_training` package" in \
+        (default_project / "README.md").read_text()
+
+
+def test_sdist_holds_what_the_project_runs_and_its_tests_need(default_project, tmp_path):
+    project = shutil.copytree(default_project, tmp_path / "project")  # the build writes egg-info and dist/
+    build = run(["python", "-m", "build", "--sdist", "--no-isolation", "."], cwd=project)
+    assert build.returncode == 0, build.stdout + build.stderr
+    [sdist] = (project / "dist").glob("*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        archive.extractall(tmp_path / "unpacked", filter="data")
+    [unpacked] = (tmp_path / "unpacked").iterdir()
+    assert {"train.py", "run_node.sh", "slurm/train.sbatch", "tests/harness.py", "tests/test_smoke.py",
+            "ddp_training/options.py"} <= project_files(unpacked)
+    collected = run(["python", "-m", "pytest", "--collect-only", "-q"], cwd=unpacked)
+    assert collected.returncode == 0, collected.stdout + collected.stderr  # harness.py imports
+
+    # What building leaves behind is ignored by git: dist/, build/, *.egg-info/.
+    run(["git", "init", "--quiet"], cwd=project)
+    status = run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=project)
+    assert status.returncode == 0, status.stderr
+    untracked = {line[3:] for line in status.stdout.splitlines()}
+    assert untracked == DEFAULT_FILES, "only the project's own files may show up in git"
 
 
 def test_recorded_answers_are_every_answer_given(default_project):
