@@ -126,6 +126,18 @@ def test_baking_again_without_slurm_removes_only_the_templates_files(tmp_path):
     assert not slurm.exists(), "a folder left empty by the template's own files goes too"
 
 
+def test_help_shows_each_default_once(default_project):
+    result = run(["python", "train.py", "--help"], cwd=default_project)
+    assert result.returncode == 0, result.stderr
+    # One block per flag: its line and the indented lines of help text below it.
+    blocks = re.split(r"\n(?=  -)", result.stdout.split("options:", 1)[1])
+    assert len(blocks) > 20
+    for block in blocks:
+        assert block.count("(default:") <= 1, block
+    assert "(default: None)" not in result.stdout
+    assert re.search(r"--max-steps MAX_STEPS\s+stop after.*?\(default: no limit\)", result.stdout, re.DOTALL)
+
+
 def test_generated_project_is_lint_clean(default_project):
     ruff = run(["ruff", "check", "."], cwd=default_project)
     assert ruff.returncode == 0, ruff.stdout + ruff.stderr
