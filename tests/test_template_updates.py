@@ -116,7 +116,14 @@ def test_cruft_diff_output_is_only_the_diff(template_repo, tmp_path):
     assert "Next steps" not in output and "Created " not in output, output
 
 
-def test_cruft_link_adopts_a_plain_bake_with_its_answers(template_repo, tmp_path):
+def keep_up_commands(project: Path) -> list[str]:
+    """The commands of the generated README's "Keep up with the template" section, but `pip install`."""
+    section = (project / "README.md").read_text().split("\n## Keep up with the template\n", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line for line in block.splitlines() if not line.startswith("pip install")]
+
+
+def test_readme_commands_link_a_plain_bake_with_its_answers(template_repo, tmp_path):
     answers = {"project_name": PROJECT_NAME, "author": "Ada \"A\" Lovelace", "nnodes": "1:4",
                "use_kubernetes": "yes", "strategy": "fsdp2", "gpus_per_node": "4"}
     result = bake_with_cli(tmp_path, template=template_repo, **answers)
@@ -127,9 +134,11 @@ def test_cruft_link_adopts_a_plain_bake_with_its_answers(template_repo, tmp_path
     public = {key for key in json.loads((template_repo / "cookiecutter.json").read_text()) if not key.startswith("_")}
     assert set(recorded) == public, "every answer, and nothing but answers"
 
-    # The command the generated README gives, with the shell's $(cat .cookiecutter.json) done here.
-    cruft(project, "link", "--no-input", "--extra-context", (project / ".cookiecutter.json").read_text(),
-          str(template_repo))
+    commands = keep_up_commands(project)
+    assert [command.split()[:2] for command in commands] == [["cruft", "link"], ["cruft", "diff"],
+                                                             ["cruft", "check"], ["cruft", "update"]]
+    for command in commands:  # as a user runs them: bash, with TEMPLATE replaced by the template's address
+        checked(["bash", "-c", command.replace("TEMPLATE", str(template_repo))], cwd=project)
+    # The link took the recorded answers, not the defaults, so `cruft diff --exit-code` above found nothing.
     linked = json.loads((project / ".cruft.json").read_text())["context"]["cookiecutter"]
     assert {key: linked[key] for key in answers} == answers
-    cruft(project, "diff", "--exit-code")  # the project is exactly the template rendered with its answers
