@@ -16,7 +16,6 @@ import pytest
 
 from conftest import BIN, TEMPLATE_ROOT, bake_with_cli, run, run_in_terminal
 
-PROJECT_FOLDER = "{{cookiecutter.project_slug}}"
 # The tilde is not Markdown-special in the first template version; the newer one escapes it (below).
 PROJECT_NAME = 'Tom\'s ~DDP~ "runs" 🚀'
 # Commits need an identity, and a user's global git config (signing, hooks) must not leak into the tests.
@@ -75,7 +74,8 @@ def release_template_v2(repo: Path) -> str:
     hook.write_text(hook.read_text().replace('EXECUTABLES = ["run_node.sh"', 'EXECUTABLES = ["tools/check.sh", '
                                                                             '"run_node.sh"', 1))
     assert '"tools/check.sh"' in hook.read_text()
-    script = repo / PROJECT_FOLDER / "tools" / "check.sh"
+    [project_template] = [path for path in repo.iterdir() if path.name.startswith("{{")]
+    script = project_template / "tools" / "check.sh"
     script.parent.mkdir()
     script.write_text("#!/usr/bin/env bash\necho checked\n")
     return commit_all(repo, "template v2")
