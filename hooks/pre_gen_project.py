@@ -46,7 +46,8 @@ def check_package_name(value: str) -> str | None:
     if keyword.iskeyword(value):
         return f"{value!r} is a Python keyword; choose another name"
     if value in RESERVED_PACKAGE_NAMES or value in sys.stdlib_module_names:
-        return f"{value!r} would shadow the module of that name (torch, torchvision or the standard library); choose another name"
+        return (f"{value!r} would shadow the module of that name (torch, torchvision or the standard library); "
+                "choose another name")
     if value != value.lower():
         return f"{value!r} has capitals; package names are lowercase (PEP 8)"
     return None
