@@ -4,24 +4,16 @@ Each problem is reported as `ERROR: <variable>: <what is wrong and what is allow
 which makes cookiecutter delete the half-made folder.
 """
 
+import json
 import keyword
 import re
 import sys
 
-ANSWERS = {
-    "project_name": {{ cookiecutter.project_name | python_string }},
-    "project_slug": {{ cookiecutter.project_slug | python_string }},
-    "package_name": {{ cookiecutter.package_name | python_string }},
-    "author": {{ cookiecutter.author | python_string }},
-    "nnodes": {{ cookiecutter.nnodes | python_string }},
-    "nproc_per_node": {{ cookiecutter.nproc_per_node | python_string }},
-    "rdzv_port": {{ cookiecutter.rdzv_port | python_string }},
-    "max_restarts": {{ cookiecutter.max_restarts | python_string }},
-    "gpus_per_node": {{ cookiecutter.gpus_per_node | python_string }},
-    "use_slurm": {{ cookiecutter.use_slurm | python_string }},
-    "use_kubernetes": {{ cookiecutter.use_kubernetes | python_string }},
-    "strategy": {{ cookiecutter.strategy | python_string }},
-}
+# Every answer as JSON (pure ASCII: quotes, backslashes, newlines and emoji all arrive escaped), read back by
+# Python, so no answer can break this file. Only Jinja's and cookiecutter's own filters are used anywhere in
+# the template: cruft renders two template versions in one process, where a template module of filters
+# would be imported once and stay stale for the second (issue 14).
+ANSWERS = json.loads(r"""{{ cookiecutter | jsonify }}""")
 
 # Names the generated project already uses at its top level, or imports, and so must not be shadowed.
 RESERVED_PACKAGE_NAMES = {"torch", "torchvision", "tests", "train", "setuptools", "pip"}
@@ -54,7 +46,8 @@ def check_package_name(value: str) -> str | None:
     if keyword.iskeyword(value):
         return f"{value!r} is a Python keyword; choose another name"
     if value in RESERVED_PACKAGE_NAMES or value in sys.stdlib_module_names:
-        return f"{value!r} would shadow the module of that name (torch, torchvision or the standard library); choose another name"
+        return (f"{value!r} would shadow the module of that name (torch, torchvision or the standard library); "
+                "choose another name")
     if value != value.lower():
         return f"{value!r} has capitals; package names are lowercase (PEP 8)"
     return None
@@ -107,7 +100,7 @@ CHECKS = {
 
 
 def main() -> int:
-    problems = [(name, check(ANSWERS[name])) for name, check in CHECKS.items()]
+    problems = [(name, check(str(ANSWERS[name]))) for name, check in CHECKS.items()]
     problems = [(name, problem) for name, problem in problems if problem]
     for name, problem in problems:
         print(f"ERROR: {name}: {problem}", file=sys.stderr)

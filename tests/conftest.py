@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import pty
 import random
+import select
 import socket
 import subprocess
 import sys
@@ -83,11 +85,43 @@ def make_image_folder(root: Path, images_per_split: dict[str, int]) -> None:
                 Image.frombytes("RGB", (24, 20), pixels).save(folder / f"{index}.png")
 
 
-def bake_with_cli(output_dir: Path, **answers: str) -> subprocess.CompletedProcess:
-    """Bake exactly as a user does: the cookiecutter command, no prompts, answers as key=value."""
-    command = [str(BIN / "cookiecutter"), "--no-input", "--output-dir", str(output_dir), str(TEMPLATE_ROOT),
-               *(f"{key}={value}" for key, value in answers.items())]
-    return run(command, cwd=output_dir, timeout=120)
+def bake_command(output_dir: Path, *options: str, template: Path = TEMPLATE_ROOT, **answers: str) -> list[str]:
+    """The cookiecutter command a user types: no prompts, answers as key=value, extra options (-f) first."""
+    return [str(BIN / "cookiecutter"), "--no-input", *options, "--output-dir", str(output_dir), str(template),
+            *(f"{key}={value}" for key, value in answers.items())]
+
+
+def bake_with_cli(output_dir: Path, *options: str, template: Path = TEMPLATE_ROOT,
+                  **answers: str) -> subprocess.CompletedProcess:
+    """Bake exactly as a user does, with output captured (not a terminal)."""
+    return run(bake_command(output_dir, *options, template=template, **answers), cwd=output_dir, timeout=120)
+
+
+def run_in_terminal(command: list[str], cwd: Path, timeout: float = 120, **env: str) -> tuple[int, str]:
+    """Run with stdout and stderr on a pseudo-terminal, as a person at a shell sees it: output meant only for
+    a person (isatty) shows up here and not in run()'s captured pipes. Returns (exit status, output)."""
+    leader, follower = pty.openpty()
+    process = subprocess.Popen(command, cwd=cwd, env=tool_env(PAGER="cat", GIT_PAGER="cat", **env),
+                               stdin=subprocess.DEVNULL, stdout=follower, stderr=follower)
+    os.close(follower)
+    output = bytearray()
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if not select.select([leader], [], [], 1.0)[0]:
+                continue
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: every process holding the terminal has exited
+                break
+            if not chunk:
+                break
+            output += chunk
+    finally:
+        os.close(leader)
+    if process.poll() is None:
+        process.kill()
+    return process.wait(timeout=10), output.decode(errors="replace")
 
 
 def build_wheel(project: Path, wheel_dir: Path) -> Path:

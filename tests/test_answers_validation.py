@@ -11,6 +11,7 @@ from conftest import bake_with_cli
 INVALID_ANSWERS = [
     ({"project_slug": "My Project"}, "project_slug", "safe folder name"),
     ({"project_slug": "../escape"}, "project_slug", "safe folder name"),
+    ({"project_slug": "a/b"}, "project_slug", "safe folder name"),  # cookiecutter would make a/ first
     ({"project_name": "   "}, "project_name", "must not be empty"),
     ({"project_name": "two\nlines"}, "project_name", "control characters"),
     ({"author": "tab\there"}, "author", "control characters"),

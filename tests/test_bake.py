@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
+import tarfile
 import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
 
-from conftest import build_wheel, run
+from conftest import bake_command, bake_with_cli, build_wheel, run, run_in_terminal
 
 DEFAULT_FILES = {
-    ".gitignore", "README.md", "pyproject.toml", "run_node.sh", "train.py", "slurm/train.sbatch",
+    ".cookiecutter.json", ".gitignore", "MANIFEST.in", "README.md", "pyproject.toml", "run_node.sh", "train.py",
+    "slurm/train.sbatch",
     "tests/harness.py", "tests/test_smoke.py",
     *(f"ddp_training/{name}.py" for name in
       ("__init__", "checkpoint", "data", "distributed", "errors", "evaluation", "export", "metrics", "model",
@@ -34,7 +38,7 @@ def project_files(project: Path) -> set[str]:
 
 def assert_fully_rendered(project: Path) -> None:
     for name in project_files(project):
-        text = (project / name).read_text()
+        text = (project / name).read_text().replace(".cookiecutter.json", "")  # a file name, not a leftover
         for marker in ("{{", "{%", "{#", "cookiecutter."):
             assert marker not in text, f"{name} still holds {marker!r}"
 
@@ -65,6 +69,73 @@ def test_generated_project_builds_a_wheel_of_its_package(default_project, tmp_pa
     wheel = build_wheel(default_project, tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
     assert {f"ddp_training/{name}.py" for name in ("options", "distributed", "checkpoint")} <= set(names)
+    # What the README says `pip install .` gives: the package, nothing else.
+    assert {name.split("/")[0] for name in names} == {"ddp_training", "ddp_training-0.1.0.dist-info"}
+    assert "`pip install .` (or the wheel `python -m build` makes) installs the `ddp_training` package" in \
+        (default_project / "README.md").read_text()
+
+
+def test_sdist_holds_what_the_project_runs_and_its_tests_need(default_project, tmp_path):
+    project = shutil.copytree(default_project, tmp_path / "project")  # the build writes egg-info and dist/
+    build = run(["python", "-m", "build", "--sdist", "--no-isolation", "."], cwd=project)
+    assert build.returncode == 0, build.stdout + build.stderr
+    [sdist] = (project / "dist").glob("*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        archive.extractall(tmp_path / "unpacked", filter="data")
+    [unpacked] = (tmp_path / "unpacked").iterdir()
+    assert {"train.py", "run_node.sh", "slurm/train.sbatch", "tests/harness.py", "tests/test_smoke.py",
+            "ddp_training/options.py"} <= project_files(unpacked)
+    collected = run(["python", "-m", "pytest", "--collect-only", "-q"], cwd=unpacked)
+    assert collected.returncode == 0, collected.stdout + collected.stderr  # harness.py imports
+
+    # What building leaves behind is ignored by git: dist/, build/, *.egg-info/.
+    run(["git", "init", "--quiet"], cwd=project)
+    status = run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=project)
+    assert status.returncode == 0, status.stderr
+    untracked = {line[3:] for line in status.stdout.splitlines()}
+    assert untracked == DEFAULT_FILES, "only the project's own files may show up in git"
+
+
+def test_recorded_answers_are_every_answer_given(default_project):
+    assert json.loads((default_project / ".cookiecutter.json").read_text()) == {
+        "project_name": "DDP Training", "project_slug": "ddp-training", "package_name": "ddp_training",
+        "author": "Your Name", "nnodes": "1", "nproc_per_node": "auto", "rdzv_port": "29400", "max_restarts": "3",
+        "gpus_per_node": "8", "use_slurm": "yes", "use_kubernetes": "no", "strategy": "ddp"}
+
+
+def test_next_steps_are_printed_for_a_person_only(tmp_path):
+    (tmp_path / "terminal").mkdir()
+    status, output = run_in_terminal(bake_command(tmp_path / "terminal"), cwd=tmp_path / "terminal")
+    assert status == 0, output
+    assert "Next steps:" in output and f"cd {tmp_path / 'terminal' / 'ddp-training'}" in output, output
+    result = bake_with_cli(tmp_path)  # output captured by a log, a CI job, another program
+    assert result.returncode == 0, result.stderr
+    assert "Next steps" not in result.stdout + result.stderr
+
+
+def test_baking_again_without_slurm_removes_only_the_templates_files(tmp_path):
+    assert bake_with_cli(tmp_path).returncode == 0
+    slurm = tmp_path / "ddp-training" / "slurm"
+    (slurm / "our_sweep.sbatch").write_text("#!/bin/bash\n")
+    result = bake_with_cli(tmp_path, "--overwrite-if-exists", use_slurm="no")
+    assert result.returncode == 0, result.stderr
+    assert [path.name for path in slurm.iterdir()] == ["our_sweep.sbatch"], "the user's file must stay"
+    (slurm / "our_sweep.sbatch").unlink()
+    result = bake_with_cli(tmp_path, "--overwrite-if-exists", use_slurm="no")
+    assert result.returncode == 0, result.stderr
+    assert not slurm.exists(), "a folder left empty by the template's own files goes too"
+
+
+def test_help_shows_each_default_once(default_project):
+    result = run(["python", "train.py", "--help"], cwd=default_project)
+    assert result.returncode == 0, result.stderr
+    # One block per flag: its line and the indented lines of help text below it.
+    blocks = re.split(r"\n(?=  -)", result.stdout.split("options:", 1)[1])
+    assert len(blocks) > 20
+    for block in blocks:
+        assert block.count("(default:") <= 1, block
+    assert "(default: None)" not in result.stdout
+    assert re.search(r"--max-steps MAX_STEPS\s+stop after.*?\(default: no limit\)", result.stdout, re.DOTALL)
 
 
 def test_generated_project_is_lint_clean(default_project):

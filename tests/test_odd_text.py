@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import tomllib
 import zipfile
 
 import pytest
 
 from conftest import build_wheel, run
-from local_extensions import markdown_text
 
 AUTHOR = "O'Brien \"the $(whoami)\" 🐍"
+MARKDOWN_SPECIAL = "\\`*_{}[]<>()#+!|"
+
+
+def markdown_literal(text: str) -> str:
+    """What the README title must be: every Markdown-special character backslash-escaped."""
+    return "".join("\\" + char if char in MARKDOWN_SPECIAL else char for char in text)
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +50,14 @@ def test_odd_text_round_trips_through_python(odd_project):
 def test_odd_text_is_literal_in_markdown(odd_project):
     project, name, _ = odd_project
     title = (project / "README.md").read_text().splitlines()[0]
-    assert title == f"# {markdown_text(name)}"
+    assert title == f"# {markdown_literal(name)}"
     assert "\\`touch" in title and "\\<b\\>" in title  # no code span, no raw HTML
+
+
+def test_odd_text_round_trips_through_the_recorded_answers(odd_project):
+    project, name, _ = odd_project
+    answers = json.loads((project / ".cookiecutter.json").read_text())
+    assert (answers["project_name"], answers["author"]) == (name, AUTHOR)
 
 
 def test_odd_project_compiles_lints_and_shows_help(odd_project):

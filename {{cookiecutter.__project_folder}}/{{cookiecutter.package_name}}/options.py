@@ -47,7 +47,7 @@ class TrainOptions:
     precision: Literal["auto", "fp32", "bf16", "fp16"] = option(
         "auto", "autocast dtype; auto: bf16 on CUDA that supports it, else fp32. fp16 uses a gradient scaler")
     strategy: Literal["ddp", "fsdp2"] = option(
-        {{ cookiecutter.strategy | python_string }}, "ddp: a full model copy per rank, gradients all-reduced; "
+        "{{ cookiecutter.strategy }}", "ddp: a full model copy per rank, gradients all-reduced; "
         "fsdp2: parameters, gradients and optimizer state sharded across ranks (checkpoints become step-<N>/ "
         "folders of shards)")
     compile: bool = option(False, "torch.compile the model (the first steps are slow while it compiles)")
@@ -113,10 +113,21 @@ def flag(name: str) -> str:
     return name.replace("_", "-")
 
 
+class DefaultsOnceFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" to each flag's help, except where the help already says what its default means
+    ("(default: no limit)" was followed by "(default: None)", issue 14) and where the default is None: such a
+    flag is off unless given, which "(default: None)" does not say any better."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or (action.help and "(default:" in action.help):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Train an image classifier; launch with torchrun or run_node.sh (see train.py).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsOnceFormatter,
     )
     hints = typing.get_type_hints(TrainOptions)
     for spec in dataclasses.fields(TrainOptions):
