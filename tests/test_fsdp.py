@@ -83,6 +83,37 @@ def test_fsdp2_trains_what_ddp_trains_and_exports_one_plain_file(fsdp_project, u
         assert torch.allclose(fsdp_model[name], tensor, atol=1e-5), name
 
 
+def test_channels_last_shards_and_trains_what_contiguous_parameters_train(fsdp_project, uninterrupted, tmp_path):
+    """Issue 11: channels-last conv weights are not contiguous, and fully_shard refused them at start (on CUDA
+    channels-last is the default for conv models)."""
+    launch(fsdp_project, 2, "--channels-last", "--batch-size", "16", "--max-steps", "4",
+           "--ckpt-dir", str(tmp_path / "channels-last"))
+    expected = tensors(sharded_state(uninterrupted / "step-4", tmp_path))
+    actual = tensors(sharded_state(tmp_path / "channels-last" / "step-4", tmp_path))
+    for name, tensor in expected.items():
+        assert torch.allclose(actual[name], tensor, atol=1e-5), name
+
+
+def test_batchnorm_shares_its_blocks_group_and_bf16_matches_ddp(fsdp_project, tmp_path):
+    """Issue 11: a group of its own per BatchNorm (to keep its weights fp32) cost an all-gather each; now a
+    block holding one all-gathers in fp32 and autocast computes in bf16, as under DDP."""
+    # 64 px: at 16 or 32, layer4 sees 1x1 maps, where CPU bf16 3x3 convolutions leave garbage in the weight
+    # gradients' border taps (torch 2.14, under DDP too).
+    args = ["--model", "resnet18", "--image-size", "64", "--precision", "bf16", "--batch-size", "4",
+            "--max-steps", "2", "--eval-every", "0"]
+    fsdp = launch(fsdp_project, 2, *args, "--ckpt-dir", str(tmp_path / "fsdp2"))
+    # resnet18: stem conv, stem BatchNorm, 8 residual blocks, head, and the root; no BatchNorm alone.
+    assert "fsdp2: 12 groups" in fsdp.stderr, fsdp.stderr[-3000:]
+    launch(fsdp_project, 2, *args, "--strategy", "ddp", "--ckpt-dir", str(tmp_path / "ddp"))
+    sharded = tensors(sharded_state(tmp_path / "fsdp2" / "step-2", tmp_path))
+    replicated = torch.load(tmp_path / "ddp" / "step-2.pt", weights_only=True)["model"]
+    for name, tensor in replicated.items():
+        if tensor.is_floating_point():
+            assert torch.allclose(sharded[f"model.{name}"], tensor, atol=1e-5), name
+        else:  # num_batches_tracked
+            assert torch.equal(sharded[f"model.{name}"], tensor), name
+
+
 def test_kill_9_mid_run_resumes_bitwise(fsdp_project, uninterrupted, tmp_path):
     ckpt_dir = tmp_path / "killed"
     launcher = subprocess.Popen(["./run_node.sh", *RUN, "--batch-size", "16", "--max-steps", "12",
