@@ -91,10 +91,10 @@ def train(options: TrainOptions, env: DistEnv, device: torch.device) -> None:
         else:  # the epoch ran to its end
             progress.next_epoch()
             if options.eval_every and progress.epoch % options.eval_every == 0:
-                meter.log_evaluation(progress.step, progress.epoch, evaluate(model, eval_loader, device))
+                meter.log_evaluation(progress.step, progress.epoch, evaluate(model, eval_loader, device, amp))
 
     if options.eval_every and progress.samples_in_epoch:  # stopped by --max-steps part-way through an epoch
-        meter.log_evaluation(progress.step, progress.epoch, evaluate(model, eval_loader, device))
+        meter.log_evaluation(progress.step, progress.epoch, evaluate(model, eval_loader, device, amp))
     checkpointer.save(progress)
     meter.close()
 
