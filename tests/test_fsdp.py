@@ -59,11 +59,13 @@ def uninterrupted(fsdp_project, tmp_path_factory) -> Path:
     return ckpt_dir
 
 
-def test_sharded_checkpoints_are_complete_step_folders(fsdp_project, uninterrupted):
+def test_sharded_checkpoints_are_complete_step_folders(fsdp_project, uninterrupted, tmp_path):
     assert sorted(path.name for path in uninterrupted.iterdir()) == ["step-12", "step-4", "step-8"]
     for folder in uninterrupted.iterdir():
         assert (folder / ".metadata").is_file()
         assert sorted(path.name for path in folder.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    # Issue 11: each rank's CUDA generator, by rank (empty on CPU); the kill -9 and 2 -> 1 resumes restore it.
+    assert sharded_state(uninterrupted / "step-12", tmp_path)["cuda_rng_states"] == [[], []]
 
 
 def test_fsdp2_trains_what_ddp_trains_and_exports_one_plain_file(fsdp_project, uninterrupted, tmp_path):

@@ -5,10 +5,17 @@ and benchmarks/gpu_check.py in its dry mode so the GPU check cannot rot."""
 from __future__ import annotations
 
 import importlib
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
+
+from conftest import run
+
+SMALL = ["--data", "fake", "--model", "small_cnn", "--fake-samples", "256", "--image-size", "16",
+         "--num-workers", "0", "--device", "cpu", "--eval-every", "0"]
 
 
 @pytest.fixture
@@ -45,3 +52,18 @@ def test_evaluation_runs_under_the_training_autocast(baked_module):
     assert set(conv_output_dtypes) == {torch.bfloat16}
     assert bf16[2] == fp32[2] == 48
     assert bf16[0] != fp32[0] and abs(bf16[0] - fp32[0]) < 0.05 * fp32[0], (bf16, fp32)
+
+
+def torchrun(project: Path, nproc: int, *args: str) -> subprocess.CompletedProcess:
+    result = run(["torchrun", "--standalone", f"--nproc-per-node={nproc}", "train.py", *SMALL, *args], cwd=project)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def test_checkpoints_hold_a_cuda_generator_state_per_rank_and_resume_without_cuda(default_project, tmp_path):
+    torchrun(default_project, 2, "--batch-size", "8", "--max-steps", "2", "--ckpt-dir", str(tmp_path))
+    assert torch.load(tmp_path / "step-2.pt", weights_only=True)["cuda_rng_states"] == [[], []]  # empty: no CUDA
+    # One rank resumes it (restoring is a no-op without CUDA) and saves its own one entry.
+    result = torchrun(default_project, 1, "--batch-size", "16", "--max-steps", "3", "--ckpt-dir", str(tmp_path))
+    assert "resuming from " + str(tmp_path / "step-2.pt") in result.stderr
+    assert torch.load(tmp_path / "step-3.pt", weights_only=True)["cuda_rng_states"] == [[]]

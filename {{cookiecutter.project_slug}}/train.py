@@ -37,13 +37,14 @@ from {{ cookiecutter.package_name }}.options import TrainOptions, parse_options
 from {{ cookiecutter.package_name }}.parallel import gradient_sync, uses_channels_last, wrap_model
 from {{ cookiecutter.package_name }}.precision import MixedPrecision, resolve_precision
 from {{ cookiecutter.package_name }}.reporting import describe_job, log, setup_logging, warn_about_launch_pitfalls
+from {{ cookiecutter.package_name }}.reproducibility import seed_and_choose_kernels
 
 
 def train(options: TrainOptions, env: DistEnv, device: torch.device) -> None:
     log.info("%s", describe_job(env, device))
     warn_about_launch_pitfalls(env)
     stop_request = StopRequest(device)  # from here on, SIGTERM means "save and stop at the next step"
-    torch.manual_seed(options.seed)
+    seed_and_choose_kernels(options, env, device)  # CUDA: a generator seed per rank; cuDNN autotuning
     train_set, eval_set = build_datasets(options, env, device)
     train_loader, eval_loader = build_loaders(train_set, eval_set, options, env, device)
     model = build_model(options.model, options.num_classes).to(device)
