@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import importlib
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from conftest import run
+from conftest import TEMPLATE_ROOT, run
 
 SMALL = ["--data", "fake", "--model", "small_cnn", "--fake-samples", "256", "--image-size", "16",
          "--num-workers", "0", "--device", "cpu", "--eval-every", "0"]
@@ -67,3 +68,22 @@ def test_checkpoints_hold_a_cuda_generator_state_per_rank_and_resume_without_cud
     result = torchrun(default_project, 1, "--batch-size", "16", "--max-steps", "3", "--ckpt-dir", str(tmp_path))
     assert "resuming from " + str(tmp_path / "step-2.pt") in result.stderr
     assert torch.load(tmp_path / "step-3.pt", weights_only=True)["cuda_rng_states"] == [[]]
+
+
+def test_gpu_check_dry_run_prints_every_row(tmp_path):
+    table = tmp_path / "gpu_check.md"
+    result = run([sys.executable, str(TEMPLATE_ROOT / "benchmarks" / "gpu_check.py"), "--dry-run",
+                  "--out", str(table)], cwd=tmp_path, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    text = table.read_text()
+    assert text.strip() in result.stdout
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith(("| case", "| ---"))]
+    names = [row.split("|")[1].strip() for row in rows]
+    assert names == [
+        "preflight", "pure compute", "bare DDP loop", "train.py fp32", "train.py bf16",
+        "train.py bf16 channels-last", "train.py bf16 channels-last compile", "fsdp2 bf16",
+        "fsdp2 bf16 channels-last", "host syncs per step", "bitwise resume (dropout)",
+    ], text
+    status = {name: row.split("|")[2].strip() for name, row in zip(names, rows, strict=True)}
+    assert set(status.values()) <= {"ok", "n/a"}, text  # n/a: compile, host syncs (CUDA only)
+    assert status["preflight"] == status["fsdp2 bf16 channels-last"] == status["bitwise resume (dropout)"] == "ok"
