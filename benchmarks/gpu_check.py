@@ -1,6 +1,6 @@
 """The first GPU run of the generated project (issue 11): one command, one markdown table.
 
-    python benchmarks/gpu_check.py --out gpu_check.md            # one GPU, about 8 minutes on an H200
+    python benchmarks/gpu_check.py --out gpu_check.md            # one GPU, estimated 7-9 minutes on an H200
     python benchmarks/gpu_check.py --dry-run --out /tmp/dry.md   # CPU, gloo, tiny sizes (the test suite runs it)
 
 Needs only torch, torchvision and cookiecutter. It bakes the template with its defaults into a temporary
