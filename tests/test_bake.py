@@ -20,7 +20,8 @@ DEFAULT_FILES = {
     "tests/harness.py", "tests/test_smoke.py",
     *(f"ddp_training/{name}.py" for name in
       ("__init__", "checkpoint", "data", "distributed", "errors", "evaluation", "export", "metrics", "model",
-       "optim", "options", "parallel", "precision", "preflight", "progress", "reporting", "sharded_checkpoint")),
+       "optim", "options", "parallel", "precision", "preflight", "progress", "reporting", "reproducibility",
+       "sharded_checkpoint")),
 }
 
 # Every value class each answer admits; each is baked and checked.

@@ -59,11 +59,13 @@ def uninterrupted(fsdp_project, tmp_path_factory) -> Path:
     return ckpt_dir
 
 
-def test_sharded_checkpoints_are_complete_step_folders(fsdp_project, uninterrupted):
+def test_sharded_checkpoints_are_complete_step_folders(fsdp_project, uninterrupted, tmp_path):
     assert sorted(path.name for path in uninterrupted.iterdir()) == ["step-12", "step-4", "step-8"]
     for folder in uninterrupted.iterdir():
         assert (folder / ".metadata").is_file()
         assert sorted(path.name for path in folder.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    # Issue 11: each rank's CUDA generator, by rank (empty on CPU); the kill -9 and 2 -> 1 resumes restore it.
+    assert sharded_state(uninterrupted / "step-12", tmp_path)["cuda_rng_states"] == [[], []]
 
 
 def test_fsdp2_trains_what_ddp_trains_and_exports_one_plain_file(fsdp_project, uninterrupted, tmp_path):
@@ -81,6 +83,37 @@ def test_fsdp2_trains_what_ddp_trains_and_exports_one_plain_file(fsdp_project, u
     # Sharded all-gather/reduce-scatter against DDP's all-reduce: the same update, summed in another order.
     for name, tensor in ddp_model.items():
         assert torch.allclose(fsdp_model[name], tensor, atol=1e-5), name
+
+
+def test_channels_last_shards_and_trains_what_contiguous_parameters_train(fsdp_project, uninterrupted, tmp_path):
+    """Issue 11: channels-last conv weights are not contiguous, and fully_shard refused them at start (on CUDA
+    channels-last is the default for conv models)."""
+    launch(fsdp_project, 2, "--channels-last", "--batch-size", "16", "--max-steps", "4",
+           "--ckpt-dir", str(tmp_path / "channels-last"))
+    expected = tensors(sharded_state(uninterrupted / "step-4", tmp_path))
+    actual = tensors(sharded_state(tmp_path / "channels-last" / "step-4", tmp_path))
+    for name, tensor in expected.items():
+        assert torch.allclose(actual[name], tensor, atol=1e-5), name
+
+
+def test_batchnorm_shares_its_blocks_group_and_bf16_matches_ddp(fsdp_project, tmp_path):
+    """Issue 11: a group of its own per BatchNorm (to keep its weights fp32) cost an all-gather each; now a
+    block holding one all-gathers in fp32 and autocast computes in bf16, as under DDP."""
+    # 64 px: at 16 or 32, layer4 sees 1x1 maps, where CPU bf16 3x3 convolutions leave garbage in the weight
+    # gradients' border taps (torch 2.14, under DDP too).
+    args = ["--model", "resnet18", "--image-size", "64", "--precision", "bf16", "--batch-size", "4",
+            "--max-steps", "2", "--eval-every", "0"]
+    fsdp = launch(fsdp_project, 2, *args, "--ckpt-dir", str(tmp_path / "fsdp2"))
+    # resnet18: stem conv, stem BatchNorm, 8 residual blocks, head, and the root; no BatchNorm alone.
+    assert "fsdp2: 12 groups" in fsdp.stderr, fsdp.stderr[-3000:]
+    launch(fsdp_project, 2, *args, "--strategy", "ddp", "--ckpt-dir", str(tmp_path / "ddp"))
+    sharded = tensors(sharded_state(tmp_path / "fsdp2" / "step-2", tmp_path))
+    replicated = torch.load(tmp_path / "ddp" / "step-2.pt", weights_only=True)["model"]
+    for name, tensor in replicated.items():
+        if tensor.is_floating_point():
+            assert torch.allclose(sharded[f"model.{name}"], tensor, atol=1e-5), name
+        else:  # num_batches_tracked
+            assert torch.equal(sharded[f"model.{name}"], tensor), name
 
 
 def test_kill_9_mid_run_resumes_bitwise(fsdp_project, uninterrupted, tmp_path):

@@ -37,6 +37,7 @@ from {{ cookiecutter.package_name }}.options import TrainOptions, parse_options
 from {{ cookiecutter.package_name }}.parallel import gradient_sync, uses_channels_last, wrap_model
 from {{ cookiecutter.package_name }}.precision import MixedPrecision, resolve_precision
 from {{ cookiecutter.package_name }}.reporting import describe_job, log, setup_logging
+from {{ cookiecutter.package_name }}.reproducibility import seed_and_choose_kernels
 from {{ cookiecutter.package_name }}.watchdog import Watchdog
 
 
@@ -46,7 +47,7 @@ def train(options: TrainOptions, env: DistEnv, device: torch.device, store: Stor
     # ended (with its stack logged) so that torchrun restarts the group.
     watchdog = Watchdog(env, store, step_timeout=options.step_timeout, io_timeout=options.io_timeout)
     stop = StopAgreement()
-    torch.manual_seed(options.seed)
+    seed_and_choose_kernels(options, env, device)  # CUDA: a generator seed per rank; cuDNN autotuning
     train_set, eval_set = build_datasets(options, env, device)
     train_loader, eval_loader = build_loaders(train_set, eval_set, options, env, device)
     model = build_model(options.model, options.num_classes).to(device)
@@ -98,12 +99,12 @@ def train(options: TrainOptions, env: DistEnv, device: torch.device, store: Stor
             progress.next_epoch()
             if options.eval_every and progress.epoch % options.eval_every == 0:
                 with watchdog.slow_phase("evaluating"):
-                    meter.log_evaluation(progress.step, progress.epoch, evaluate(model, eval_loader, device))
+                    meter.log_evaluation(progress.step, progress.epoch, evaluate(model, eval_loader, device, amp))
 
     with watchdog.slow_phase("final checkpoint and evaluation"):
         checkpointer.save(progress)  # before the evaluation, so a failing evaluation loses no training
         if options.eval_every and progress.samples_in_epoch:  # stopped by --max-steps part-way through an epoch
-            meter.log_evaluation(progress.step, progress.epoch, evaluate(model, eval_loader, device))
+            meter.log_evaluation(progress.step, progress.epoch, evaluate(model, eval_loader, device, amp))
     meter.close()
 
 

@@ -18,6 +18,7 @@ from .errors import UsageError
 from .options import TrainOptions
 from .parallel import sync_buffers_from_main
 from .progress import TrainingProgress
+from .reproducibility import gather_cuda_rng_states, restore_cuda_rng_state
 
 log = logging.getLogger(__name__)
 CHECKPOINT_NAME = re.compile(r"step-(\d+)\.pt")
@@ -191,11 +192,13 @@ class Checkpointer:
             return
         self.last_saved_step = progress.step
         sync_buffers_from_main(self.components["model"])  # a collective: every rank saves at the same steps
+        cuda_rng_states = gather_cuda_rng_states(self.env, self.device)  # each rank's own, a collective too
         if not self.is_writer:
             return
         started = time.perf_counter()
         path = checkpoint_path(self.ckpt_dir, progress.step)
-        save_checkpoint_atomically(training_state(self.components, progress, self.env.world_size), path)
+        state = training_state(self.components, progress, self.env.world_size)
+        save_checkpoint_atomically({**state, "cuda_rng_states": cuda_rng_states}, path)
         delete_old_checkpoints(self.ckpt_dir, self.keep)
         log.info("saved %s in %.2f s", path, time.perf_counter() - started)
 
@@ -214,6 +217,7 @@ class Checkpointer:
             progress = restore_training_state(state, self.components)
         except (RuntimeError, ValueError, KeyError) as error:
             raise checkpoint_mismatch(path, error) from None
+        restore_cuda_rng_state(state.get("cuda_rng_states"), self.env, self.device)
         self.last_saved_step = progress.step
         log.info("resuming from %s (step %d, epoch %d, %d samples into the epoch, saved by %d ranks)",
                  path, progress.step, progress.epoch, progress.samples_in_epoch, state["world_size"])

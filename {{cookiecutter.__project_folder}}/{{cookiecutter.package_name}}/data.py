@@ -203,7 +203,10 @@ def build_loaders(train_set: Dataset, eval_set: Dataset, options: TrainOptions, 
 
 def to_device(images: torch.Tensor, labels: torch.Tensor, device: torch.device,
               channels_last: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """non_blocking: from pinned loader memory, the copy to the GPU overlaps the running step."""
+    """non_blocking: from pinned loader memory the host only queues the copy and goes on queueing the step's
+    kernels. On the GPU the copy runs in order on the compute stream, between the previous step's kernels and
+    this one's; a prefetch on a side stream would hide it too, worth it only where copies are a visible part
+    of a step (large images, a small model)."""
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
     return (images.to(device, non_blocking=True, memory_format=memory_format),
             labels.to(device, non_blocking=True))

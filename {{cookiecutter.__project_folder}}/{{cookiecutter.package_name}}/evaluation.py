@@ -9,12 +9,15 @@ import torch
 from .distributed import all_reduce_int, all_reduce_sum
 from .errors import UsageError
 from .parallel import forward_is_collective, sync_buffers_from_main
+from .precision import MixedPrecision
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader, device: torch.device) -> tuple[float, float, int]:
+def evaluate(model: torch.nn.Module, loader, device: torch.device,
+             amp: MixedPrecision) -> tuple[float, float, int]:
     """(mean loss, accuracy, samples) on the held-out split, from sums and counts reduced over ranks
-    (not a mean of per-rank means, which is wrong when shards differ in size)."""
+    (not a mean of per-rank means, which is wrong when shards differ in size). Forwards run under training's
+    autocast: as fast as training's, and the numbers are those of the model as trained."""
     sync_buffers_from_main(model)  # every rank evaluates with the same BatchNorm statistics
     was_training = model.training
     model.eval()
@@ -30,13 +33,15 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device) -> tuple[floa
     images = None
     for images, labels in loader:
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        logits = model(images)
+        with amp.autocast():
+            logits = model(images).float()
         totals[0] += torch.nn.functional.cross_entropy(logits, labels, reduction="sum").double()
         totals[1] += (logits.argmax(dim=1) == labels).sum()
         totals[2] += labels.numel()
     if lockstep:
         for _ in range(most - len(loader)):
-            model(images)
+            with amp.autocast():
+                model(images)
     model.train(was_training)
     loss_sum, correct, count = all_reduce_sum(totals).tolist()
     if count == 0:

@@ -53,7 +53,10 @@ class TrainOptions:
     compile: bool = option(False, "torch.compile the model (the first steps are slow while it compiles)")
     channels_last: bool | None = option(
         None, "NHWC memory format for convolutional models (default: on for CUDA, off for CPU)")
-    seed: int = option(0, "seed for model init, data order and fake data; same on every rank")
+    seed: int = option(0, "seed for model init, data order and fake data; same on every rank (GPU dropout "
+                       "gets a seed per rank derived from it)")
+    deterministic: bool = option(False, "bitwise-repeatable CUDA kernels, slower (cuDNN autotuning off); CPU runs "
+                                 "are repeatable without it")
     ckpt_dir: str = option("checkpoints", "checkpoints go here; training resumes from the newest one")
     ckpt_every: int = option(500, "save a checkpoint every this many optimizer steps (and at the end)")
     keep_checkpoints: int = option(2, "keep the newest this many checkpoints, delete older ones")

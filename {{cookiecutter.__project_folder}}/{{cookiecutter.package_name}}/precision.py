@@ -17,9 +17,15 @@ def resolve_precision(requested: str, device: torch.device) -> str:
         if requested == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise UsageError(f"--precision bf16 but {torch.cuda.get_device_name(device)} has no bf16; use fp16")
         return requested
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+    if device.type == "cuda" and computes_bf16_natively(device):
         return "bf16"
     return "fp32"  # CPU autocast is correct but rarely faster, so it is opt-in there
+
+
+def computes_bf16_natively(device: torch.device) -> bool:
+    """Ampere (compute capability 8.0) and newer, or ROCm. Not torch.cuda.is_bf16_supported(): by default it
+    also counts emulation, which V100s and T4s have, and there bf16 is slower than fp32."""
+    return bool(torch.version.hip) or torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 class MixedPrecision:
@@ -38,6 +44,7 @@ class MixedPrecision:
         return None if self.precision == "fp32" else DTYPES[self.precision]
 
     def autocast(self) -> contextlib.AbstractContextManager:
+        """Around training and evaluation forwards alike."""
         if self.precision == "fp32":
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=DTYPES[self.precision])

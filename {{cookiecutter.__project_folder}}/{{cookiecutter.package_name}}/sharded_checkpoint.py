@@ -25,6 +25,7 @@ from .distributed import DistEnv, barrier, broadcast_object
 from .errors import UsageError
 from .parallel import sync_buffers_from_main
 from .progress import TrainingProgress
+from .reproducibility import gather_cuda_rng_states, restore_cuda_rng_state
 
 log = logging.getLogger(__name__)
 CHECKPOINT_FOLDER = re.compile(r"step-(\d+)")
@@ -88,7 +89,9 @@ class ShardedCheckpointer:
         # get_state_dict: parameter names without wrapper prefixes, optimizer state keyed by those names (not
         # by position), each rank's tensors only its shards, as DTensors DCP knows how to place.
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        # The CPU generator is the same on every rank; the CUDA ones differ, so all ranks' are saved (a collective).
         return {"model": model_state, "optimizer": optimizer_state, "torch_rng_state": torch.get_rng_state(),
+                "cuda_rng_states": gather_cuda_rng_states(self.env, self.device),
                 **{name: component.state_dict() for name, component in self.components.items()}}
 
     def save(self, progress: TrainingProgress) -> None:
@@ -133,6 +136,7 @@ class ShardedCheckpointer:
         for name, component in self.components.items():
             component.load_state_dict(state[name])
         torch.set_rng_state(state["torch_rng_state"])
+        restore_cuda_rng_state(state["cuda_rng_states"], self.env, self.device)
         saved = state["progress"]
         progress = TrainingProgress(saved["step"], saved["epoch"], saved["samples_in_epoch"])
         self.last_saved_step = progress.step

@@ -1,0 +1,89 @@
+"""The CUDA code paths, shown on CPU where their mechanism can be (issue 11): bf16 chosen only where the GPU
+computes it natively, evaluation under training's autocast, a CUDA generator state per rank in checkpoints,
+and benchmarks/gpu_check.py in its dry mode so the GPU check cannot rot."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from conftest import TEMPLATE_ROOT, run
+
+SMALL = ["--data", "fake", "--model", "small_cnn", "--fake-samples", "256", "--image-size", "16",
+         "--num-workers", "0", "--device", "cpu", "--eval-every", "0"]
+
+
+@pytest.fixture
+def baked_module(default_project, monkeypatch):
+    """Import a module of the baked package into this process (no torch.distributed involved)."""
+    monkeypatch.syspath_prepend(str(default_project))
+    return lambda name: importlib.import_module(f"ddp_training.{name}")
+
+
+def test_auto_precision_is_bf16_only_where_the_gpu_computes_it_natively(baked_module, monkeypatch):
+    precision = baked_module("precision")
+    cuda = torch.device("cuda", 0)
+    for capability, expected in [((7, 0), "fp32"), ((7, 5), "fp32"), ((8, 0), "bf16"), ((9, 0), "bf16")]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, found=capability: found)
+        # What torch reports on a V100 or T4: bf16 "supported", by emulation, unless asked not to count it.
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                            lambda including_emulation=True, found=capability: including_emulation or found >= (8, 0))
+        assert precision.resolve_precision("auto", cuda) == expected, f"compute capability {capability}"
+
+
+def test_evaluation_runs_under_the_training_autocast(baked_module):
+    precision, evaluation = baked_module("precision"), baked_module("evaluation")
+    model_module, data = baked_module("model"), baked_module("data")
+    torch.manual_seed(0)
+    model = model_module.build_model("small_cnn", 10)
+    conv_output_dtypes = []
+    model[0][0].register_forward_hook(lambda module, inputs, output: conv_output_dtypes.append(output.dtype))
+    loader = DataLoader(data.LearnableFakeData(48, 16, 10, seed=0), batch_size=16)
+    cpu = torch.device("cpu")
+    fp32 = evaluation.evaluate(model, loader, cpu, precision.MixedPrecision("fp32", cpu))
+    assert set(conv_output_dtypes) == {torch.float32}
+    conv_output_dtypes.clear()
+    bf16 = evaluation.evaluate(model, loader, cpu, precision.MixedPrecision("bf16", cpu))
+    assert set(conv_output_dtypes) == {torch.bfloat16}
+    assert bf16[2] == fp32[2] == 48
+    assert bf16[0] != fp32[0] and abs(bf16[0] - fp32[0]) < 0.05 * fp32[0], (bf16, fp32)
+
+
+def torchrun(project: Path, nproc: int, *args: str) -> subprocess.CompletedProcess:
+    result = run(["torchrun", "--standalone", f"--nproc-per-node={nproc}", "train.py", *SMALL, *args], cwd=project)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def test_checkpoints_hold_a_cuda_generator_state_per_rank_and_resume_without_cuda(default_project, tmp_path):
+    torchrun(default_project, 2, "--batch-size", "8", "--max-steps", "2", "--ckpt-dir", str(tmp_path))
+    assert torch.load(tmp_path / "step-2.pt", weights_only=True)["cuda_rng_states"] == [[], []]  # empty: no CUDA
+    # One rank resumes it (restoring is a no-op without CUDA) and saves its own one entry.
+    result = torchrun(default_project, 1, "--batch-size", "16", "--max-steps", "3", "--ckpt-dir", str(tmp_path))
+    assert "resuming from " + str(tmp_path / "step-2.pt") in result.stderr
+    assert torch.load(tmp_path / "step-3.pt", weights_only=True)["cuda_rng_states"] == [[]]
+
+
+def test_gpu_check_dry_run_prints_every_row(tmp_path):
+    table = tmp_path / "gpu_check.md"
+    result = run([sys.executable, str(TEMPLATE_ROOT / "benchmarks" / "gpu_check.py"), "--dry-run",
+                  "--out", str(table)], cwd=tmp_path, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    text = table.read_text()
+    assert text.strip() in result.stdout
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith(("| case", "| ---"))]
+    names = [row.split("|")[1].strip() for row in rows]
+    assert names == [
+        "preflight", "pure compute", "bare DDP loop", "train.py fp32", "train.py bf16",
+        "train.py bf16 channels-last", "train.py bf16 channels-last compile", "fsdp2 bf16",
+        "fsdp2 bf16 channels-last", "host syncs per step", "bitwise resume (dropout)",
+    ], text
+    status = {name: row.split("|")[2].strip() for name, row in zip(names, rows, strict=True)}
+    assert set(status.values()) <= {"ok", "n/a"}, text  # n/a: compile, host syncs (CUDA only)
+    assert status["preflight"] == status["fsdp2 bf16 channels-last"] == status["bitwise resume (dropout)"] == "ok"
