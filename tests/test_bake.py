@@ -21,7 +21,7 @@ DEFAULT_FILES = {
     *(f"ddp_training/{name}.py" for name in
       ("__init__", "checkpoint", "data", "distributed", "errors", "evaluation", "export", "metrics", "model",
        "optim", "options", "parallel", "precision", "preflight", "progress", "reporting", "reproducibility",
-       "sharded_checkpoint")),
+       "sharded_checkpoint", "watchdog")),
 }
 
 # Every value class each answer admits; each is baked and checked.

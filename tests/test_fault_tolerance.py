@@ -179,3 +179,72 @@ def test_node_local_checkpoint_folders_resume_from_whichever_node_holds_the_newe
     assert f"resuming from {disks[1] / 'step-8.pt'}" in second
     for disk in disks:
         assert_bitwise_equal(checkpoint(disk, 12), checkpoint(uninterrupted, 12))
+
+
+# The user's launch path: the torchrun command from the docs, nothing exported, a small model, loader workers.
+BARE = ["--model", "small_cnn", "--data", "fake", "--fake-samples", "512", "--image-size", "16", "--batch-size",
+        "8", "--device", "cpu", "--ckpt-every", "4", "--keep-checkpoints", "100", "--log-every", "1",
+        "--num-workers", "2", "--max-steps", "40"]
+
+
+def bare_torchrun(project: Path, ckpt_dir: Path, *args: str, max_restarts: int = 0) -> subprocess.Popen:
+    environment = {name: value for name, value in tool_env().items() if not name.startswith("TORCH")}
+    return subprocess.Popen(["torchrun", "--standalone", "--nproc-per-node=2", f"--max-restarts={max_restarts}",
+                             "train.py", *BARE, "--ckpt-dir", str(ckpt_dir), *args],
+                            cwd=project, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_bare(default_project, tmp_path_factory) -> Path:
+    ckpt_dir = tmp_path_factory.mktemp("uninterrupted-bare")
+    launcher = bare_torchrun(default_project, ckpt_dir)
+    output = launcher.communicate(timeout=300)[0]
+    assert launcher.returncode == 0, output
+    return ckpt_dir
+
+
+def test_bare_torchrun_recovers_from_two_kills_promptly_and_bitwise(default_project, uninterrupted_bare, tmp_path):
+    # Before the fix, a restarted worker read the dead group's keys from torchrun's shared store and failed
+    # or hung (pytorch#135712), and the survivor's loader workers ignored SIGTERM: 30 s until SIGKILL.
+    launcher = bare_torchrun(default_project, tmp_path, max_restarts=2)
+    for checkpoint_step in (8, 20):
+        wait_for(tmp_path / f"step-{checkpoint_step}.pt", launcher)
+        os.kill(worker_pids(launcher)[-1], signal.SIGKILL)
+    output = launcher.communicate(timeout=300)[0]
+    assert launcher.returncode == 0, output
+    assert "restart=2" in output and output.count("resuming from") == 2, output
+    assert "forcefully exiting via 9" not in output, output  # every survivor left on SIGTERM
+    assert "connectFullMesh failed" not in output, output
+    assert_bitwise_equal(checkpoint(tmp_path, 40), checkpoint(uninterrupted_bare, 40))
+
+
+def test_a_stopped_rank_is_named_and_the_job_resumes_bitwise(default_project, uninterrupted_bare, tmp_path):
+    launcher = bare_torchrun(default_project, tmp_path, "--step-timeout", "3", max_restarts=1)
+    wait_for(tmp_path / "step-8.pt", launcher)
+    stopped = worker_pids(launcher)[-1]  # the second worker torchrun started: local rank 1, rank 1
+    os.kill(stopped, signal.SIGSTOP)  # alive, holding its sockets open, making no progress
+    output = launcher.communicate(timeout=300)[0]
+    assert launcher.returncode == 0, output
+    assert "[rank 0] no progress for 3 s in training step" in output and "waiting for other ranks" in output
+    assert "HANG: rank(s) 1 stopped making progress (1 sent no report: stopped, or frozen)" in output, output
+    assert "restart=1" in output and "resuming from" in output
+    assert_bitwise_equal(checkpoint(tmp_path, 40), checkpoint(uninterrupted_bare, 40))
+
+
+def test_resume_lists_changed_options_and_refuses_a_changed_model(default_project, tmp_path):
+    plain = ["python", "train.py", *BARE[:-4], "--num-workers", "0", "--ckpt-dir", str(tmp_path)]
+    assert run([*plain, "--max-steps", "2"], cwd=default_project).returncode == 0
+    changed = run([*plain, "--max-steps", "3", "--lr", "0.02", "--epochs", "3"], cwd=default_project)
+    assert changed.returncode == 0, changed.stderr
+    [line] = [line for line in changed.stderr.splitlines() if "resuming with changed options" in line]
+    assert "--lr 0.01 -> 0.02" in line and "--epochs 10 -> 3 (the LR schedule is re-planned" in line
+    assert "max-steps" not in line  # raising the step limit is how every resume goes on
+    other_model = run([*plain, "--max-steps", "4", "--model", "resnet18"], cwd=default_project)
+    assert other_model.returncode == 1
+    assert other_model.stderr.strip().splitlines()[-1] == (
+        f"error: {tmp_path / 'step-3.pt'} was trained with --model small_cnn, but this run asks for --model "
+        "resnet18; resume with the same values, or start a new run with another --ckpt-dir")
+    other_strategy = run([*plain, "--max-steps", "4", "--strategy", "fsdp2"], cwd=default_project)
+    assert other_strategy.returncode == 1
+    assert f"error: --ckpt-dir {tmp_path} holds --strategy ddp checkpoints" in other_strategy.stderr

@@ -15,6 +15,7 @@
 #   RDZV_ID         job id, the same on all machines; another id makes another job (default $SLURM_JOB_ID or {{ cookiecutter.project_slug }})
 #   MAX_RESTARTS    times torchrun restarts the worker group after a failure (default {{ cookiecutter.max_restarts }})
 #   RDZV_TIMEOUT    seconds to wait for all machines to join before giving up (default 900)
+#   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds torchrun gives workers to save after SIGTERM (default 100)
 #   GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME   network interface for gloo / NCCL (default: the one toward
 #                   RDZV_ENDPOINT, found with `ip route get`)
 set -euo pipefail
@@ -38,10 +39,10 @@ fail() {
 [[ "$RDZV_TIMEOUT" =~ ^[1-9][0-9]*$ ]] || fail "RDZV_TIMEOUT='$RDZV_TIMEOUT' must be a number of seconds"
 MAX_NODES="${NNODES#*:}"
 
-# torchrun >= 2.5 shares its rendezvous TCPStore with the workers and keeps it across restarts, so a
-# restarted worker can read its dead predecessor's process-group keys and hang or fail to connect
-# (pytorch/pytorch#135712). A fresh store per restart avoids that.
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
+# After forwarding SIGTERM (preemption, a time limit), torchrun waits this long for its workers to save and
+# exit before SIGKILL; its own default, 30 s, cuts short a large checkpoint. Keep it below the grace the
+# scheduler gives (slurm/train.sbatch: --signal=TERM@120; k8s: terminationGracePeriodSeconds 120).
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-100}"
 
 cd "$(dirname "${BASH_SOURCE[0]}")"
 

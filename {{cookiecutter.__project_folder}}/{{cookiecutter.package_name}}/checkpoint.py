@@ -15,7 +15,7 @@ import torch
 
 from .distributed import DistEnv, all_reduce_int, barrier, broadcast_object
 from .errors import UsageError
-from .options import TrainOptions
+from .options import TrainOptions, flag
 from .parallel import sync_buffers_from_main
 from .progress import TrainingProgress
 from .reproducibility import gather_cuda_rng_states, restore_cuda_rng_state
@@ -123,6 +123,53 @@ def restore_training_state(state: dict, components: dict) -> TrainingProgress:
     return TrainingProgress(step=state["step"], epoch=state["epoch"], samples_in_epoch=state["samples_in_epoch"])
 
 
+# Options a checkpoint cannot be resumed under once changed: its tensors would not fit them.
+FIXED_UNDER_A_CHECKPOINT = ("model", "num_classes")
+# What a changed option does to a resumed run, where that is not plain from its --help.
+EFFECT_OF_CHANGING = {
+    "epochs": "the LR schedule is re-planned over the new --epochs from this step on",
+    "lr": "the LR schedule continues from this step towards the new peak",
+    "lr_schedule": "the new schedule applies from this step on",
+    "warmup_steps": "the LR schedule is re-planned from this step on",
+    "seed": "the rest of this epoch and later epochs draw another sample order",
+    "batch_size": "this epoch continues with its unseen samples, in batches of the new size",
+    "grad_accum": "this epoch continues with its unseen samples, in steps of the new size",
+}
+# Expected to change between runs of one job; not worth a line.
+CHANGED_BY_EVERY_RESUME = ("max_steps", "ckpt_dir")
+
+
+def check_resumed_options(saved: dict | None, options: TrainOptions, source: Path) -> None:
+    """Stop on a changed option the checkpoint cannot take; log the others in one line with their effect."""
+    if not saved:  # a checkpoint from before options were recorded
+        return
+    current = asdict(options)
+    changed = [name for name, value in current.items()
+               if name in saved and saved[name] != value and name not in CHANGED_BY_EVERY_RESUME]
+    fixed = [name for name in changed if name in FIXED_UNDER_A_CHECKPOINT]
+    if fixed:
+        was = ", ".join(f"--{flag(name)} {saved[name]}" for name in fixed)
+        asked = ", ".join(f"--{flag(name)} {current[name]}" for name in fixed)
+        raise UsageError(f"{source} was trained with {was}, but this run asks for {asked}; "
+                         "resume with the same values, or start a new run with another --ckpt-dir")
+    if changed:
+        log.info("resuming with changed options: %s", "; ".join(
+            f"--{flag(name)} {saved[name]} -> {current[name]}"
+            + (f" ({EFFECT_OF_CHANGING[name]})" if name in EFFECT_OF_CHANGING else "") for name in changed))
+
+
+def check_checkpoint_format(ckpt_dir: Path, strategy: str) -> None:
+    """A folder of the other strategy's checkpoints would otherwise be ignored, and training start over."""
+    folders = [path for path in ckpt_dir.glob("step-*") if path.is_dir()]
+    files = list_checkpoints(ckpt_dir)
+    if strategy == "ddp" and folders and not files:
+        raise UsageError(f"--ckpt-dir {ckpt_dir} holds --strategy fsdp2 checkpoints (step-<N>/ folders); "
+                         "resume with --strategy fsdp2, or use another --ckpt-dir")
+    if strategy == "fsdp2" and files and not folders:
+        raise UsageError(f"--ckpt-dir {ckpt_dir} holds --strategy ddp checkpoints (step-<N>.pt files); "
+                         "resume with --strategy ddp, or use another --ckpt-dir")
+
+
 def elect_writers(ckpt_dir: Path, env: DistEnv, device: torch.device) -> tuple[bool, int]:
     """(is this rank a writer, how many writers): one per distinct storage behind --ckpt-dir.
 
@@ -147,11 +194,15 @@ def elect_writers(ckpt_dir: Path, env: DistEnv, device: torch.device) -> tuple[b
 
 def build_checkpointer(options: TrainOptions, env: DistEnv, device: torch.device, **components):
     """A Checkpointer (one step-<N>.pt) for DDP, a ShardedCheckpointer (step-<N>/ folders) for FSDP2."""
+    check_checkpoint_format(Path(options.ckpt_dir), options.strategy)
     if options.strategy == "fsdp2":
         from .sharded_checkpoint import ShardedCheckpointer  # here, not at the top: it imports this module
 
-        return ShardedCheckpointer(options.ckpt_dir, options.keep_checkpoints, env, device, **components)
-    return Checkpointer(options.ckpt_dir, options.keep_checkpoints, env, device, **components)
+        checkpointer = ShardedCheckpointer(options.ckpt_dir, options.keep_checkpoints, env, device, **components)
+    else:
+        checkpointer = Checkpointer(options.ckpt_dir, options.keep_checkpoints, env, device, **components)
+    checkpointer.options = options  # recorded in every checkpoint, compared on resume
+    return checkpointer
 
 
 class Checkpointer:
@@ -198,7 +249,8 @@ class Checkpointer:
         started = time.perf_counter()
         path = checkpoint_path(self.ckpt_dir, progress.step)
         state = training_state(self.components, progress, self.env.world_size)
-        save_checkpoint_atomically({**state, "cuda_rng_states": cuda_rng_states}, path)
+        save_checkpoint_atomically({**state, "cuda_rng_states": cuda_rng_states,
+                                    "options": asdict(self.options)}, path)
         delete_old_checkpoints(self.ckpt_dir, self.keep)
         log.info("saved %s in %.2f s", path, time.perf_counter() - started)
 
@@ -213,6 +265,7 @@ class Checkpointer:
         # The lowest rank holding the newest step sends it; with a shared folder that is rank 0.
         source = all_reduce_int(self.env.rank if own_step == best_step else self.env.world_size, self.device, "min")
         path, state = broadcast_object(newest if self.env.rank == source else None, source_rank=source)
+        check_resumed_options(state.get("options"), self.options, path)
         try:
             progress = restore_training_state(state, self.components)
         except (RuntimeError, ValueError, KeyError) as error:

@@ -7,6 +7,7 @@ and DCP has written the folder's .metadata, so a crash mid-save never leaves a f
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -20,7 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from .checkpoint import checkpoint_mismatch, elect_writers, fsync_directory
+from .checkpoint import check_resumed_options, checkpoint_mismatch, elect_writers, fsync_directory
 from .distributed import DistEnv, barrier, broadcast_object
 from .errors import UsageError
 from .parallel import sync_buffers_from_main
@@ -29,6 +30,7 @@ from .reproducibility import gather_cuda_rng_states, restore_cuda_rng_state
 
 log = logging.getLogger(__name__)
 CHECKPOINT_FOLDER = re.compile(r"step-(\d+)")
+OPTIONS_FILE = "options.json"  # the TrainOptions the run had, beside DCP's files
 
 
 def list_sharded_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
@@ -105,6 +107,7 @@ class ShardedCheckpointer:
         partial = self.ckpt_dir / f".step-{progress.step}.partial"
         dcp.save(state, checkpoint_id=partial)  # returns on every rank once all shards and .metadata are written
         if self.env.is_main_process:
+            (partial / OPTIONS_FILE).write_text(json.dumps(asdict(self.options), indent=1))
             publish(partial, final)
             for _, old in list_sharded_checkpoints(self.ckpt_dir)[self.keep:]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -126,6 +129,9 @@ class ShardedCheckpointer:
             log.info("no valid checkpoint in %s; starting from scratch", self.ckpt_dir)
             return TrainingProgress()
         folder = candidates[0]
+        saved_options = folder / OPTIONS_FILE
+        check_resumed_options(json.loads(saved_options.read_text()) if saved_options.exists() else None,
+                              self.options, folder)
         state = {**self._state(), "progress": {**asdict(TrainingProgress()), "world_size": 0}}  # shape to fill
         try:
             dcp.load(state, checkpoint_id=folder)  # into this rank's shards, from whichever ranks saved them
