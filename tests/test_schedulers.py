@@ -4,6 +4,7 @@ PyTorchJob manifest with what the training operator needs."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -37,16 +38,40 @@ def test_pytorchjob_has_what_the_operator_needs(bake, gpus):
     project = bake(use_kubernetes="yes", nnodes="2:4", max_restarts="5", gpus_per_node=gpus)
     job = yaml.safe_load((project / "k8s/pytorchjob.yaml").read_text())
     assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
-    assert job["spec"]["elasticPolicy"] == {"rdzvBackend": "c10d", "minReplicas": 2, "maxReplicas": 4,
-                                            "maxRestarts": 5}
-    assert job["spec"]["nprocPerNode"] == (gpus if gpus != "0" else "auto")
+    assert job["spec"]["elasticPolicy"] == {"rdzvBackend": "c10d", "rdzvPort": 29400, "minReplicas": 2,
+                                            "maxReplicas": 4, "maxRestarts": 5}
+    assert job["spec"]["nprocPerNode"] == "auto"  # the nproc_per_node answer, not gpus_per_node
     worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
     assert worker["replicas"] == 4
     [container] = worker["template"]["spec"]["containers"]
     assert container["command"] == ["torchrun", "train.py"]  # torchrun takes the rest from PET_* variables
-    assert {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"} in container["env"]
+    # torchrun waits this long for the save after SIGTERM; the pod's grace period is longer.
+    assert {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": "100"} in container["env"]
+    assert worker["template"]["spec"]["terminationGracePeriodSeconds"] > 100
     limits = container.get("resources", {}).get("limits", {})
     assert limits == ({"nvidia.com/gpu": int(gpus)} if gpus != "0" else {})
+
+
+DNS_1035_LABEL = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def test_pytorchjob_names_are_dns_labels_and_use_the_answers(bake):
+    project = bake(use_kubernetes="yes", project_slug="my_proj", rdzv_port="29500", nproc_per_node="4")
+    job = yaml.safe_load((project / "k8s/pytorchjob.yaml").read_text())
+    assert job["metadata"]["name"] == "my-proj"  # the operator refuses my_proj
+    claim = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["volumes"][0]
+    assert DNS_1035_LABEL.fullmatch(claim["persistentVolumeClaim"]["claimName"])
+    assert job["spec"]["elasticPolicy"]["rdzvPort"] == 29500 and job["spec"]["nprocPerNode"] == "4"
+
+
+@pytest.mark.parametrize("answers, cpus", [({"nproc_per_node": "4"}, "#SBATCH --cpus-per-task=12"),
+                                           ({"gpus_per_node": "8"}, "#SBATCH --cpus-per-task=24"),
+                                           ({"gpus_per_node": "0"}, "#SBATCH --exclusive")])
+def test_sbatch_asks_for_cpus_requeues_and_uses_the_nproc_answer(bake, answers, cpus):
+    script = (bake(**answers) / "slurm/train.sbatch").read_text()
+    assert cpus in script  # Slurm's default, one CPU per task, starves the ranks and their loader workers
+    assert "#SBATCH --requeue" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+    assert f'NPROC_PER_NODE="${{NPROC_PER_NODE:-{answers.get("nproc_per_node", "auto")}}}"' in script
 
 
 @pytest.mark.parametrize("gpus", ["8", "0"])
@@ -113,17 +138,22 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
 
 
 @require(os.geteuid() == 0 and HAS_SLURM, "needs root and Debian's slurm-wlm and munge")
-def test_sbatch_trains_and_checkpoints_under_real_slurm(bake, slurm_cluster, tmp_path):
+def test_two_one_node_slurm_jobs_on_one_machine_train_side_by_side(bake, slurm_cluster, tmp_path):
     project = bake(gpus_per_node="0")
-    ckpt_dir = tmp_path / "checkpoints"
-    submitted = subprocess.run(
-        ["sbatch", "--wait", "--parsable", "slurm/train.sbatch", "--data", "fake", "--fake-samples", "256",
-         "--image-size", "16", "--batch-size", "16", "--num-workers", "0", "--device", "cpu",
-         "--max-steps", "4", "--ckpt-every", "2", "--ckpt-dir", str(ckpt_dir)],
-        cwd=project, env={**slurm_cluster, "NPROC_PER_NODE": "2"}, capture_output=True, text=True, timeout=300)
-    job_id = submitted.stdout.strip().split(";")[0]
-    output = (project / f"slurm-{job_id}.out").read_text() if job_id else ""
-    assert submitted.returncode == 0, submitted.stderr + output
-    assert f"rdzv_id={job_id}" in output
-    assert "world_size=2 nodes=1 ranks_per_node=2" in output
-    assert sorted(path.name for path in ckpt_dir.glob("step-*.pt")) == ["step-2.pt", "step-4.pt"]
+    jobs = []
+    for name in ("first", "second"):  # both at once: before, the second stopped with "port 29400 is taken"
+        ckpt_dir = tmp_path / name
+        jobs.append((ckpt_dir, subprocess.Popen(
+            ["sbatch", "--wait", "--parsable", "--cpus-per-task=1", "--no-requeue", "slurm/train.sbatch",
+             "--data", "fake", "--fake-samples", "256", "--image-size", "16", "--batch-size", "16",
+             "--num-workers", "0", "--device", "cpu", "--max-steps", "4", "--ckpt-every", "2",
+             "--ckpt-dir", str(ckpt_dir)],
+            cwd=project, env={**slurm_cluster, "NPROC_PER_NODE": "2"}, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True)))
+    for ckpt_dir, job in jobs:
+        stdout, stderr = job.communicate(timeout=300)
+        job_id = stdout.strip().split(";")[0]
+        output = (project / f"slurm-{job_id}.out").read_text() if job_id else ""
+        assert job.returncode == 0, stderr + output
+        assert "world_size=2 nodes=1 ranks_per_node=2" in output
+        assert sorted(path.name for path in ckpt_dir.glob("step-*.pt")) == ["step-2.pt", "step-4.pt"]

@@ -116,7 +116,8 @@ class StoreAddress:
 
 
 @contextlib.contextmanager
-def distributed_session(env: DistEnv, device: torch.device, timeout: timedelta) -> Iterator[StoreAddress | None]:
+def distributed_session(env: DistEnv, device: torch.device,
+                        timeout: timedelta = timedelta(minutes=10)) -> Iterator[StoreAddress | None]:
     """Join the process group for the duration of the block (nothing to join for one plain process).
 
     `timeout` bounds every collective; a stalled rank is usually caught sooner by the watchdog.
