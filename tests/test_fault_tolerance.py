@@ -128,7 +128,8 @@ def test_checkpoint_of_another_model_is_refused_with_one_line(default_project, u
     shutil.copy(uninterrupted / "step-4.pt", tmp_path)
     result = launch(default_project, 1, "--max-steps", "8", "--model", "resnet34", "--ckpt-dir", str(tmp_path))
     assert result.returncode != 0
-    assert f"error: {tmp_path / 'step-4.pt'} does not fit this model or optimizer" in result.stderr
+    assert (f"error: {tmp_path / 'step-4.pt'} was trained with --model resnet18, but this run asks for --model "
+            "resnet34") in result.stderr
     assert "UsageError" not in result.stderr and "[rank0]: Traceback" not in result.stderr
 
 
