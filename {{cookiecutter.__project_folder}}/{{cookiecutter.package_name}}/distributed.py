@@ -168,9 +168,12 @@ def store_of_this_attempt(env: DistEnv, timeout: timedelta) -> tuple[dist.Store,
     while time.monotonic() < deadline:
         host, port, token = shared.get(key).decode().split()  # waits for rank 0's first entry
         if listening(host, int(port)):  # a stale entry's store died with its rank 0: refused at once
-            candidate = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
-            if candidate.get("token").decode() == token:
-                return candidate, StoreAddress(host, int(port))
+            # A short timeout: the stale port may since have been taken by something that is not our store.
+            with contextlib.suppress(RuntimeError):
+                candidate = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
+                if candidate.get("token").decode() == token:
+                    candidate.set_timeout(timeout)
+                    return candidate, StoreAddress(host, int(port))
         time.sleep(0.05)
     raise TimeoutError(f"rank 0 published no store for this attempt within {timeout}")
 
