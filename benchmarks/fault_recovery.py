@@ -37,21 +37,24 @@ def launch(project: Path, ckpt_dir: Path, max_restarts: int) -> subprocess.Popen
                             stderr=subprocess.STDOUT, text=True)
 
 
-def trial(project: Path, ckpt_dir: Path, kill_after_s: float) -> tuple[float | None, str]:
-    """(seconds from the kill to the next step logged, output); kills kill_after_s after step 2 is logged."""
+def trial(project: Path, ckpt_dir: Path, kill_after_s: float) -> tuple[float | None, str, str]:
+    """(seconds from the kill to the next step logged, output, the last line logged before the kill); kills
+    kill_after_s after step 2 is logged."""
     launcher = launch(project, ckpt_dir, max_restarts=1)
     lines, killed_at, recovered_at, restarted = [], None, None, False
-    timer = None
+    timer, last_line_before_kill = None, ""
 
     def kill() -> None:
-        nonlocal killed_at
+        nonlocal killed_at, last_line_before_kill
         workers = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
         if workers:
             os.kill(int(random.choice(workers)), signal.SIGKILL)
             killed_at = time.monotonic()
+            last_line_before_kill = lines[-1].strip() if lines else ""
 
     for line in launcher.stdout:
-        lines.append(line)
+        # Lines after the kill are kept stamped with their arrival (the output is unbuffered).
+        lines.append(line if killed_at is None else f"+{time.monotonic() - killed_at:6.2f}s {line}")
         if (match := STEP_LINE.match(line)) and timer is None and int(match[1]) >= 2:
             timer = threading.Timer(kill_after_s, kill)
             timer.start()
@@ -61,8 +64,8 @@ def trial(project: Path, ckpt_dir: Path, kill_after_s: float) -> tuple[float | N
     launcher.wait()
     output = "".join(lines)
     if launcher.returncode != 0 or killed_at is None or recovered_at is None:
-        return None, output
-    return recovered_at - killed_at, output
+        return None, output, last_line_before_kill
+    return recovered_at - killed_at, output, last_line_before_kill
 
 
 def main() -> None:
@@ -81,8 +84,9 @@ def main() -> None:
     recoveries, failures, stalls = [], 0, 0
     for index in range(args.trials):
         kill_after = random.uniform(0.0, 7.0)  # the run's 46 remaining steps take about 8 s here
-        seconds, output = trial(project, project / f"trial-{index}", kill_after)
+        seconds, output, before = trial(project, project / f"trial-{index}", kill_after)
         stalls += "forcefully exiting via 9" in output
+        (project / f"trial-{index}.log").write_text(output)
         final = project / f"trial-{index}" / "step-48.pt"
         bitwise = final.exists() and all(
             torch.equal(tensor, expected[name])
@@ -93,8 +97,10 @@ def main() -> None:
                   f"bitwise: {bitwise})\n{output[-3000:]}")
             continue
         recoveries.append(seconds)
-        print(f"trial {index}: kill {kill_after:.2f} s after step 2 -> next step {seconds:.2f} s later, bitwise equal")
-    print(f"\n{len(recoveries)} of {args.trials} trials recovered bitwise; {stalls} survivors needed SIGKILL")
+        print(f"trial {index}: kill {kill_after:.2f} s after step 2 -> next step {seconds:.2f} s later, bitwise equal "
+              f"(last line before the kill: {before[-90:]})")
+    print(f"\ntrial logs, lines stamped with the seconds since the kill: {project}/trial-*.log")
+    print(f"{len(recoveries)} of {args.trials} trials recovered bitwise; {stalls} survivors needed SIGKILL")
     if recoveries:
         print(f"kill -9 -> next training step: median {statistics.median(recoveries):.2f} s, "
               f"min {min(recoveries):.2f} s, max {max(recoveries):.2f} s")

@@ -149,3 +149,50 @@ def bake(cookies_session):
         assert result.exit_code == 0, f"baking {answers} failed: {result.exception}"
         return result.project_path
     return _bake
+
+
+# The user's launch path: the torchrun command from the docs, nothing exported, a small model, loader workers.
+BARE = ["--model", "small_cnn", "--data", "fake", "--fake-samples", "512", "--image-size", "16", "--batch-size",
+        "8", "--device", "cpu", "--ckpt-every", "4", "--keep-checkpoints", "100", "--log-every", "1",
+        "--num-workers", "2", "--max-steps", "40"]
+
+
+def bare_torchrun(project: Path, ckpt_dir: Path, *args: str, max_restarts: int = 0,
+                  rendezvous: tuple[str, ...] = ("--standalone", "--nproc-per-node=2"), on_host: tuple[str, ...] = (),
+                  **env: str) -> subprocess.Popen:
+    """torchrun as the docs show it, with nothing TORCH_* exported; `on_host` prefixes the command (a
+    namespace host). A session of its own, so a signal can go to the whole process group."""
+    environment = {name: value for name, value in tool_env(**env).items() if not name.startswith("TORCH")}
+    return subprocess.Popen([*on_host, "torchrun", *rendezvous, f"--max-restarts={max_restarts}",
+                             "train.py", *BARE, "--ckpt-dir", str(ckpt_dir), *args],
+                            cwd=project, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_bare(default_project, tmp_path_factory) -> Path:
+    """The reference for the tests that interrupt a BARE run: checkpoints every 4 steps to step 40."""
+    ckpt_dir = tmp_path_factory.mktemp("uninterrupted-bare")
+    launcher = bare_torchrun(default_project, ckpt_dir)
+    output = launcher.communicate(timeout=300)[0]
+    assert launcher.returncode == 0, output
+    return ckpt_dir
+
+
+def checkpoint(ckpt_dir: Path, step: int) -> dict:
+    import torch
+
+    return torch.load(ckpt_dir / f"step-{step}.pt", weights_only=True)
+
+
+def assert_bitwise_equal(actual: dict, expected: dict) -> None:
+    import torch
+
+    assert actual["step"] == expected["step"]
+    assert actual["model"].keys() == expected["model"].keys()
+    for name, tensor in expected["model"].items():
+        assert torch.equal(actual["model"][name], tensor), f"model tensor {name} differs"
+    assert torch.equal(actual["torch_rng_state"], expected["torch_rng_state"]), "the global RNG continues as it was"
+    for index, buffers in expected["optimizer"]["state"].items():
+        for name, tensor in buffers.items():
+            assert torch.equal(actual["optimizer"]["state"][index][name], tensor), f"optimizer {index}.{name} differs"

@@ -13,7 +13,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_image_folder, run, start_nodes, tool_env, wait_for, worker_pids
+from conftest import (
+    BARE,
+    assert_bitwise_equal,
+    bare_torchrun,
+    checkpoint,
+    free_port,
+    make_image_folder,
+    run,
+    start_nodes,
+    tool_env,
+    wait_for,
+    worker_pids,
+)
 
 # 512 fake samples over 2 ranks of 16: 16 steps an epoch, so 24 steps cross an epoch boundary.
 RUN = ["--data", "fake", "--fake-samples", "512", "--image-size", "16", "--batch-size", "16", "--device", "cpu",
@@ -32,21 +44,6 @@ def start(project: Path, nproc: int, *args: str, max_restarts: int = 0) -> subpr
     environment = tool_env(NPROC_PER_NODE=str(nproc), MAX_RESTARTS=str(max_restarts))
     return subprocess.Popen(["./run_node.sh", *RUN, *args], cwd=project, env=environment, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
-def checkpoint(ckpt_dir: Path, step: int) -> dict:
-    return torch.load(ckpt_dir / f"step-{step}.pt", weights_only=True)
-
-
-def assert_bitwise_equal(actual: dict, expected: dict) -> None:
-    assert actual["step"] == expected["step"]
-    assert actual["model"].keys() == expected["model"].keys()
-    for name, tensor in expected["model"].items():
-        assert torch.equal(actual["model"][name], tensor), f"model tensor {name} differs"
-    assert torch.equal(actual["torch_rng_state"], expected["torch_rng_state"]), "the global RNG continues as it was"
-    for index, buffers in expected["optimizer"]["state"].items():
-        for name, tensor in buffers.items():
-            assert torch.equal(actual["optimizer"]["state"][index][name], tensor), f"optimizer {index}.{name} differs"
 
 
 @pytest.fixture(scope="module")
@@ -182,29 +179,6 @@ def test_node_local_checkpoint_folders_resume_from_whichever_node_holds_the_newe
         assert_bitwise_equal(checkpoint(disk, 12), checkpoint(uninterrupted, 12))
 
 
-# The user's launch path: the torchrun command from the docs, nothing exported, a small model, loader workers.
-BARE = ["--model", "small_cnn", "--data", "fake", "--fake-samples", "512", "--image-size", "16", "--batch-size",
-        "8", "--device", "cpu", "--ckpt-every", "4", "--keep-checkpoints", "100", "--log-every", "1",
-        "--num-workers", "2", "--max-steps", "40"]
-
-
-def bare_torchrun(project: Path, ckpt_dir: Path, *args: str, max_restarts: int = 0) -> subprocess.Popen:
-    environment = {name: value for name, value in tool_env().items() if not name.startswith("TORCH")}
-    return subprocess.Popen(["torchrun", "--standalone", "--nproc-per-node=2", f"--max-restarts={max_restarts}",
-                             "train.py", *BARE, "--ckpt-dir", str(ckpt_dir), *args],
-                            cwd=project, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-
-
-@pytest.fixture(scope="module")
-def uninterrupted_bare(default_project, tmp_path_factory) -> Path:
-    ckpt_dir = tmp_path_factory.mktemp("uninterrupted-bare")
-    launcher = bare_torchrun(default_project, ckpt_dir)
-    output = launcher.communicate(timeout=300)[0]
-    assert launcher.returncode == 0, output
-    return ckpt_dir
-
-
 def test_bare_torchrun_recovers_from_two_kills_promptly_and_bitwise(default_project, uninterrupted_bare, tmp_path):
     # Before the fix, a restarted worker read the dead group's keys from torchrun's shared store and failed
     # or hung (pytorch#135712), and the survivor's loader workers ignored SIGTERM: 30 s until SIGKILL.
@@ -231,6 +205,136 @@ def test_a_stopped_rank_is_named_and_the_job_resumes_bitwise(default_project, un
     assert "HANG: rank(s) 1 stopped making progress (1 sent no report: stopped, or frozen)" in output, output
     assert "restart=1" in output and "resuming from" in output
     assert_bitwise_equal(checkpoint(tmp_path, 40), checkpoint(uninterrupted_bare, 40))
+
+
+def with_fault(tmp_path: Path, code: str) -> dict[str, str]:
+    """Environment that runs `code` at start-up in every Python process of the job (a sitecustomize):
+    how these tests make one rank of the user's unchanged project misbehave."""
+    folder = tmp_path / "fault"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(code)
+    return {"PYTHONPATH": str(folder)}
+
+
+MACHINE_LOST_AFTER_STEP_10 = """
+import os
+if "LOCAL_RANK" in os.environ:  # a worker, not torchrun
+    import signal
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    steps = 0
+
+    def machine_lost_after_step_10(optimizer, args, kwargs):
+        global steps
+        steps += 1
+        if steps == 10:
+            os.kill(os.getppid(), signal.SIGKILL)  # torchrun, then this worker: the machine is gone
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    register_optimizer_step_post_hook(machine_lost_after_step_10)
+"""
+
+
+def test_a_node_that_leaves_and_one_that_joins_later_meet_no_stale_keys(default_project, uninterrupted_bare,
+                                                                        tmp_path):
+    # Two "machines" on loopback, elastic 1:2, each running run_node.sh. One is lost mid-step; a new one
+    # joins the next round with its own restart count (0), where torch's per-restart key prefixes would hand
+    # it the dead group's keys (pytorch#135712), and where torchrun's shared store makes it wait for a worker
+    # store address that the surviving rank 0 never publishes again (run_node.sh turns that sharing off).
+    port = free_port()
+
+    def node(**env: str) -> subprocess.Popen:
+        environment = tool_env(NNODES="1:2", NPROC_PER_NODE="1", RDZV_ENDPOINT=f"127.0.0.1:{port}",
+                               RDZV_ID="membership", MAX_RESTARTS="1", **env)
+        return subprocess.Popen(["./run_node.sh", *BARE, "--ckpt-dir", str(tmp_path / "ckpt")],
+                                cwd=default_project, env=environment, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+
+    first = node()
+    # On loopback every node is on the endpoint's address; the first to listen hosts the rendezvous store,
+    # as the endpoint machine of a cluster does. It must not be the one that leaves.
+    deadline = time.monotonic() + 60
+    while subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True).stdout == "":
+        assert time.monotonic() < deadline and first.poll() is None, "the first node never listened"
+        time.sleep(0.1)
+    leaving = node(**with_fault(tmp_path, MACHINE_LOST_AFTER_STEP_10))
+    leaving.communicate(timeout=300)
+    joining = node()
+    outputs = [process.communicate(timeout=300)[0] for process in (first, joining)]
+    assert [first.returncode, joining.returncode] == [0, 0], outputs
+    assert "restart=1" in outputs[0] and "restart=0" in outputs[1], outputs
+    assert "resuming from" in outputs[0] and "world_size=2" in outputs[1], outputs
+    assert "connectFullMesh failed" not in "".join(outputs), outputs
+    assert_bitwise_equal(checkpoint(tmp_path / "ckpt", 40), checkpoint(uninterrupted_bare, 40))
+
+
+RANK_1_HANGS_AFTER_STEP_10 = """
+import os
+if os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+    import time
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    steps = 0
+
+    def hang_after_step_10(optimizer, args, kwargs):  # a stuck read, a deadlock: alive, off the collectives
+        global steps
+        steps += 1
+        if steps == 10:
+            time.sleep(3600)
+
+    register_optimizer_step_post_hook(hang_after_step_10)
+"""
+
+
+def test_a_rank_that_never_reaches_the_next_collective_is_named_and_the_job_resumes_bitwise(
+        default_project, uninterrupted_bare, tmp_path):
+    launcher = bare_torchrun(default_project, tmp_path / "ckpt", "--step-timeout", "3", max_restarts=1,
+                             **with_fault(tmp_path, RANK_1_HANGS_AFTER_STEP_10))
+    output = launcher.communicate(timeout=300)[0]
+    assert launcher.returncode == 0, output
+    assert "[rank 1] no progress for 3 s in training step (step 10); NOT waiting for other ranks" in output, output
+    assert "in hang_after_step_10" in output  # its stack says where it is stuck
+    assert "[rank 0] no progress for 3 s in training step (step 10); waiting for other ranks" in output, output
+    assert ("HANG: rank(s) 1 stopped making progress. Where each rank was: rank 0: step 10, training step, waiting "
+            "for others; rank 1: step 10, training step, not waiting") in output, output
+    assert "restart=1" in output and "resuming from" in output
+    assert_bitwise_equal(checkpoint(tmp_path / "ckpt", 40), checkpoint(uninterrupted_bare, 40))
+
+
+RANK_0_SAVES_SLOWLY = """
+import os
+if os.environ.get("RANK") == "0":
+    import time
+
+    fsync = os.fsync
+
+    def first_fsync_takes_32_s(fd, first=[True]):  # a large model on a slow shared file system
+        if first:
+            first.clear()
+            time.sleep(32)
+        fsync(fd)
+
+    os.fsync = first_fsync_takes_32_s
+"""
+
+
+def test_a_save_after_sigterm_that_takes_longer_than_30_s_completes(default_project, tmp_path):
+    # torchrun SIGKILLs its workers 30 s after forwarding SIGTERM unless TORCH_ELASTIC_SHUTDOWN_TIMEOUT says
+    # otherwise; run_node.sh sets 100 s, inside the lead time Slurm (--signal) and Kubernetes (grace) give.
+    environment = tool_env(NPROC_PER_NODE="2", MAX_RESTARTS="0", **with_fault(tmp_path, RANK_0_SAVES_SLOWLY))
+    launcher = subprocess.Popen(["./run_node.sh", *BARE[:-4], "--num-workers", "0", "--ckpt-every", "1000",
+                                 "--ckpt-dir", str(tmp_path / "ckpt")], cwd=default_project, env=environment,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in launcher.stdout:
+        if " step 3 |" in line:
+            break
+    launcher.send_signal(signal.SIGTERM)  # to torchrun only, as Kubernetes sends it to the container's PID 1
+    started = time.monotonic()
+    output = launcher.communicate(timeout=150)[0]
+    assert time.monotonic() - started > 32, output
+    assert "forcefully exiting via 9" not in output, output
+    [saved] = list((tmp_path / "ckpt").glob("step-*.pt"))
+    assert f"stopped by SIGTERM after step {torch.load(saved, weights_only=True)['step']}" in output, output
 
 
 def test_resume_lists_changed_options_and_refuses_a_changed_model(default_project, tmp_path):

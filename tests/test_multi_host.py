@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from conftest import require, tool_env
+from conftest import assert_bitwise_equal, bare_torchrun, checkpoint, require, tool_env, wait_for, worker_pids
 
 SUBNET = "10.213.77"  # private, used only inside the namespaces this module creates
 TINY = ["--data", "fake", "--fake-samples", "256", "--image-size", "16", "--batch-size", "16",
@@ -137,3 +138,39 @@ def test_an_elastic_range_admits_both_hosts(default_project, hosts, tmp_path):
     outputs = finish(nodes)
     assert [node.returncode for node in nodes] == [0, 0], outputs
     assert "world_size=2 nodes=2 ranks_per_node=1" in "".join(outputs)
+
+
+@pytest.fixture
+def named_hosts(hosts):
+    """The two hosts as a cluster's machines are: each has its own hostname (node0, node1), which resolves
+    to its address on both (`ip netns exec` reads /etc/netns/<namespace>/hosts as /etc/hosts)."""
+    names = "".join(f"{address} node{k}\n" for k, (_, address) in enumerate(hosts))
+    for namespace, _ in hosts:
+        folder = Path("/etc/netns") / namespace
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "hosts").write_text(Path("/etc/hosts").read_text() + names)
+    try:
+        yield [(namespace, f"node{k}") for k, (namespace, _) in enumerate(hosts)]
+    finally:
+        for namespace, _ in hosts:
+            shutil.rmtree(Path("/etc/netns") / namespace, ignore_errors=True)
+
+
+def test_bare_c10d_torchrun_on_two_hosts_recovers_from_kill_9_bitwise(
+        default_project, named_hosts, uninterrupted_bare, tmp_path):
+    # The card's command on each machine, nothing exported: before the fresh store per attempt, restarted
+    # workers met the dead group's keys in torchrun's shared store.
+    rendezvous = ("--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29406",
+                  "--rdzv-id=bare-two-hosts")
+    nodes = [bare_torchrun(default_project, tmp_path, max_restarts=1, rendezvous=rendezvous,
+                           on_host=("ip", "netns", "exec", namespace, "unshare", "--uts", "sh", "-c",
+                                    'hostname "$0" && exec "$@"', hostname))
+             for namespace, hostname in named_hosts]
+    wait_for(tmp_path / "step-8.pt", nodes[0])
+    os.kill(worker_pids(nodes[1])[0], signal.SIGKILL)
+    outputs = finish(nodes)
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert all("restart=1" in output for output in outputs), outputs
+    assert "world_size=2 nodes=2 ranks_per_node=1" in outputs[0]
+    assert "forcefully exiting via 9" not in "".join(outputs)
+    assert_bitwise_equal(checkpoint(tmp_path, 40), checkpoint(uninterrupted_bare, 40))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import require, run, tool_env
+from conftest import BARE, assert_bitwise_equal, checkpoint, require, run, tool_env
 
 SCHEDULER_ANSWERS = [
     ({"use_slurm": "yes", "use_kubernetes": "no"}, {"slurm/train.sbatch"}),
@@ -157,3 +157,41 @@ def test_two_one_node_slurm_jobs_on_one_machine_train_side_by_side(bake, slurm_c
         assert job.returncode == 0, stderr + output
         assert "world_size=2 nodes=1 ranks_per_node=2" in output
         assert sorted(path.name for path in ckpt_dir.glob("step-*.pt")) == ["step-2.pt", "step-4.pt"]
+
+
+def job_state(job_id: str, environment: dict[str, str]) -> dict[str, str]:
+    shown = subprocess.run(["scontrol", "-o", "show", "job", job_id], env=environment, capture_output=True,
+                           text=True, check=True).stdout
+    return dict(field.split("=", 1) for field in shown.split() if "=" in field)
+
+
+@require(os.geteuid() == 0 and HAS_SLURM, "needs root and Debian's slurm-wlm and munge")
+def test_a_slurm_job_sent_sigterm_saves_requeues_itself_and_resumes_bitwise(
+        bake, slurm_cluster, uninterrupted_bare, tmp_path):
+    # What preemption or the time limit does (--signal=TERM@120): SIGTERM to every process of the job step,
+    # DataLoader workers included.
+    project = bake(gpus_per_node="0")
+    environment = {**slurm_cluster, "NPROC_PER_NODE": "2"}
+    submitted = subprocess.run(["sbatch", "--parsable", "--cpus-per-task=2", "slurm/train.sbatch", *BARE,
+                                "--ckpt-dir", str(tmp_path)], cwd=project, env=environment,
+                               capture_output=True, text=True)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip().split(";")[0]
+    log = project / f"slurm-{job_id}.out"
+    deadline = time.monotonic() + 180
+    while not (tmp_path / "step-8.pt").exists():
+        assert time.monotonic() < deadline, log.read_text() if log.exists() else job_state(job_id, environment)
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--signal=TERM", job_id], env=environment, check=True)
+    while (state := job_state(job_id, environment))["JobState"] != "COMPLETED":
+        assert state["JobState"] in ("RUNNING", "PENDING", "REQUEUED", "COMPLETING"), log.read_text()
+        if state["JobState"] == "PENDING" and state.get("Reason") == "BeginTime":
+            # Slurm holds a requeued job for about two minutes; start it now rather than wait.
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=environment, check=True)
+        assert time.monotonic() < deadline + 180, log.read_text()
+        time.sleep(0.5)
+    output = log.read_text()  # --open-mode=append: both runs of the job
+    assert state["Restarts"] == "1", output
+    assert "stopped by SIGTERM after step" in output and "requeueing job" in output, output
+    assert "resuming from" in output, output
+    assert_bitwise_equal(checkpoint(tmp_path, 40), checkpoint(uninterrupted_bare, 40))

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
+import socket
+import threading
 from pathlib import Path
 
 import torch
@@ -159,18 +162,47 @@ def check_data_source(options: TrainOptions) -> None:
 
 
 def detach_from_job_signals(worker_id: int) -> None:
-    """DataLoader workers leave the training process's process group, so the SIGTERM or Ctrl-C that a
-    scheduler, torchrun (which signals its workers' groups) or a terminal sends the group does not reach
-    them: the training process decides when to stop, saves, and then shuts its workers down itself.
+    """DataLoader workers leave the training process's process group, so the SIGTERM or Ctrl-C that torchrun
+    (which signals its workers' groups) or a terminal sends the group does not reach them: the training
+    process decides when to stop, saves, and then shuts its workers down itself.
 
-    They keep SIGTERM's default action, so that shutdown is immediate. Workers that ignored SIGTERM instead
-    made every exit after an error wait for torchrun's SIGKILL, 30 s later: Python's exit terminates
-    daemonic children with SIGTERM, then joins them. A worker whose parent dies exits on its own (torch
-    checks the parent)."""
+    Slurm signals every process of a job step, workers included. So a worker obeys SIGTERM only from its
+    training process: that is how the DataLoader ends a worker that does not stop when asked, and Python's
+    exit ends daemonic children before joining them. A worker that ignored SIGTERM made every exit after an
+    error wait for torchrun's SIGKILL, 30 s later; one that obeyed every SIGTERM died under Slurm's
+    preemption signal, failing the step that was to be saved. A worker whose parent dies exits on its own
+    (torch checks the parent)."""
     os.setpgid(0, 0)
     signal.set_wakeup_fd(-1)  # the parent's watchdog pipe is not this process's
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    close_inherited_listening_sockets()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    training_process = os.getppid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # held for the thread below, in every thread
+
+    def obey_sigterm_from_the_training_process() -> None:
+        while True:
+            if signal.sigwaitinfo({signal.SIGTERM}).si_pid == training_process:
+                os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=obey_sigterm_from_the_training_process, daemon=True).start()
+
+
+def close_inherited_listening_sockets() -> None:
+    """A forked worker holds copies of its training process's listening sockets (the job's store, gloo).
+    When that process dies, its ports must refuse connections at once, so that the next attempt's ranks see
+    a dead store as dead; a copy kept open here would accept them into a backlog nobody reads until this
+    worker notices its parent is gone (up to 5 s). (Linux; elsewhere workers are spawned, not forked.)"""
+    if not os.path.isdir("/proc/self/fd"):
+        return
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError, ValueError):
+            probe = socket.socket(fileno=int(name))  # raises for anything that is not a socket
+            try:
+                listening = probe.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+            finally:
+                probe.detach()  # the check must not close it
+            if listening:
+                os.close(int(name))
 
 
 def build_loaders(train_set: Dataset, eval_set: Dataset, options: TrainOptions, env: DistEnv,
