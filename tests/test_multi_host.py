@@ -170,7 +170,10 @@ def test_bare_c10d_torchrun_on_two_hosts_recovers_from_kill_9_bitwise(
     os.kill(worker_pids(nodes[1])[0], signal.SIGKILL)
     outputs = finish(nodes)
     assert [node.returncode for node in nodes] == [0, 0], outputs
-    assert all("restart=1" in output for output in outputs), outputs
-    assert "world_size=2 nodes=2 ranks_per_node=1" in outputs[0]
+    # Two attempts, logged by rank 0 wherever the new round put it. The killed worker's torchrun counts a
+    # restart; the other restarts its healthy worker without counting one: restart counts now differ, which
+    # is where torch's per-restart key prefix fails (pytorch#135712).
+    assert "".join(outputs).count("world_size=2 nodes=2 ranks_per_node=1 backend=gloo") == 2, outputs
+    assert "resuming from" in "".join(outputs), outputs
     assert "forcefully exiting via 9" not in "".join(outputs)
     assert_bitwise_equal(checkpoint(tmp_path, 40), checkpoint(uninterrupted_bare, 40))

@@ -182,7 +182,7 @@ def detach_from_job_signals(worker_id: int) -> None:
     def obey_sigterm_from_the_training_process() -> None:
         while True:
             if signal.sigwaitinfo({signal.SIGTERM}).si_pid == training_process:
-                os._exit(128 + signal.SIGTERM)
+                os._exit(0)  # as torch's own worker handler does: a requested exit, not a failure
 
     threading.Thread(target=obey_sigterm_from_the_training_process, daemon=True).start()
 
