@@ -11,7 +11,7 @@ DEMO_PROJECT := $(DEMO_DIR)/ddp-training
 DEMO_ARGS := --data fake --fake-samples 1024 --image-size 16 --batch-size 16 --num-workers 1 \
 	--ckpt-dir checkpoints --ckpt-every 20 --log-every 10
 
-.PHONY: venv demo test lint clean
+.PHONY: venv demo test test-fast lint clean
 
 venv: $(INSTALLED)
 
@@ -31,6 +31,10 @@ demo: $(INSTALLED)
 
 test: $(INSTALLED) lint
 	$(BIN)/python -m pytest tests
+
+# For edit loops: everything that starts no torchrun job, plus one 2-rank training run (under 2 minutes).
+test-fast: $(INSTALLED) lint
+	$(BIN)/python -m pytest -m "not slow" tests
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check benchmarks tests  # hooks and the project are Jinja, linted once baked

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pty
 import random
 import select
+import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -62,7 +65,22 @@ def wait_for(path: Path, process: subprocess.Popen, timeout: float = 180) -> Non
     while not path.exists():
         assert process.poll() is None, f"exited before {path.name} appeared:\n{process.stdout.read()}"
         assert time.monotonic() < deadline, f"{path.name} did not appear within {timeout}s"
-        time.sleep(0.05)
+        time.sleep(0.005)
+
+
+@contextlib.contextmanager
+def paused(*launchers: subprocess.Popen) -> Iterator[list[int]]:
+    """Hold every worker of these torchruns still (SIGSTOP) while the test picks one to kill or signals the
+    job, then let them go on: a small model's run would otherwise end before the fault lands."""
+    pids = [pid for launcher in launchers for pid in worker_pids(launcher)]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield pids
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
 
 def worker_pids(launcher: subprocess.Popen) -> list[int]:

@@ -20,6 +20,7 @@ from conftest import (
     checkpoint,
     free_port,
     make_image_folder,
+    paused,
     run,
     start_nodes,
     tool_env,
@@ -27,9 +28,12 @@ from conftest import (
     worker_pids,
 )
 
-# 512 fake samples over 2 ranks of 16: 16 steps an epoch, so 24 steps cross an epoch boundary.
-RUN = ["--data", "fake", "--fake-samples", "512", "--image-size", "16", "--batch-size", "16", "--device", "cpu",
-       "--ckpt-every", "4", "--keep-checkpoints", "100", "--log-every", "4"]
+pytestmark = pytest.mark.slow  # torchrun jobs: `make test-fast` leaves these out
+
+# 512 fake samples over 2 ranks of 16: 16 steps an epoch, so 24 steps cross an epoch boundary. small_cnn:
+# what is restored is the point here, not the model (the imagefolder test keeps resnet18's BatchNorm buffers).
+RUN = ["--model", "small_cnn", "--data", "fake", "--fake-samples", "512", "--image-size", "16", "--batch-size",
+       "16", "--device", "cpu", "--ckpt-every", "4", "--keep-checkpoints", "100", "--log-every", "4"]
 
 
 def launch(project: Path, nproc: int, *args: str, max_restarts: int = 0) -> subprocess.CompletedProcess:
@@ -59,7 +63,8 @@ def test_kill_9_of_a_worker_mid_epoch_resumes_bitwise(default_project, uninterru
     launcher = start(default_project, 2, "--max-steps", "24", "--num-workers", "0", "--ckpt-dir", str(tmp_path),
                      max_restarts=1)
     wait_for(tmp_path / "step-8.pt", launcher)
-    os.kill(worker_pids(launcher)[-1], signal.SIGKILL)
+    with paused(launcher) as workers:
+        os.kill(workers[-1], signal.SIGKILL)
     output = launcher.communicate(timeout=300)[0]
     assert launcher.returncode == 0, output
     assert "restart=1" in output and "resuming from" in output
@@ -67,11 +72,13 @@ def test_kill_9_of_a_worker_mid_epoch_resumes_bitwise(default_project, uninterru
 
 
 def test_sigterm_to_the_job_saves_at_one_agreed_step_and_resumes_bitwise(default_project, uninterrupted, tmp_path):
-    # DataLoader workers too receive the group's SIGTERM; they must not break the save.
+    # SIGTERM to torchrun's process group, as a terminal or `kill -- -PGID` sends it; the DataLoader workers
+    # have left that group (the Slurm test sends SIGTERM to every process, workers included).
     launcher = start(default_project, 2, "--max-steps", "24", "--num-workers", "2", "--ckpt-dir", str(tmp_path))
     wait_for(tmp_path / "step-8.pt", launcher)
-    signalled = time.monotonic()
-    os.killpg(launcher.pid, signal.SIGTERM)
+    with paused(launcher):
+        signalled = time.monotonic()
+        os.killpg(launcher.pid, signal.SIGTERM)
     output = launcher.communicate(timeout=120)[0]
     stop_seconds = time.monotonic() - signalled
     stops = [line for line in output.splitlines() if "stopped by SIGTERM after step" in line]
@@ -90,8 +97,8 @@ def test_sigterm_to_the_job_saves_at_one_agreed_step_and_resumes_bitwise(default
 def test_random_augmentation_is_redrawn_identically_after_a_resume(default_project, tmp_path):
     # imagefolder trains with random crops and flips: 12 images, batch 4, one rank: 3 steps an epoch.
     make_image_folder(tmp_path / "images", {"train": 6, "val": 2})
-    images = ["--data", "imagefolder", "--data-dir", str(tmp_path / "images"), "--num-classes", "2",
-              "--batch-size", "4", "--ckpt-every", "1"]
+    images = ["--model", "resnet18", "--data", "imagefolder", "--data-dir", str(tmp_path / "images"),
+              "--num-classes", "2", "--batch-size", "4", "--ckpt-every", "1"]
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
     assert launch(default_project, 1, *images, "--max-steps", "5", "--num-workers", "0",
                   "--ckpt-dir", str(reference)).returncode == 0
@@ -123,10 +130,10 @@ def test_truncated_newest_checkpoint_and_leftover_temporary_fall_back_to_previou
 
 def test_checkpoint_of_another_model_is_refused_with_one_line(default_project, uninterrupted, tmp_path):
     shutil.copy(uninterrupted / "step-4.pt", tmp_path)
-    result = launch(default_project, 1, "--max-steps", "8", "--model", "resnet34", "--ckpt-dir", str(tmp_path))
+    result = launch(default_project, 1, "--max-steps", "8", "--model", "resnet18", "--ckpt-dir", str(tmp_path))
     assert result.returncode != 0
-    assert (f"error: {tmp_path / 'step-4.pt'} was trained with --model resnet18, but this run asks for --model "
-            "resnet34") in result.stderr
+    assert (f"error: {tmp_path / 'step-4.pt'} was trained with --model small_cnn, but this run asks for --model "
+            "resnet18") in result.stderr
     assert "UsageError" not in result.stderr and "[rank0]: Traceback" not in result.stderr
 
 
@@ -185,7 +192,8 @@ def test_bare_torchrun_recovers_from_two_kills_promptly_and_bitwise(default_proj
     launcher = bare_torchrun(default_project, tmp_path, max_restarts=2)
     for checkpoint_step in (8, 20):
         wait_for(tmp_path / f"step-{checkpoint_step}.pt", launcher)
-        os.kill(worker_pids(launcher)[-1], signal.SIGKILL)
+        with paused(launcher) as workers:
+            os.kill(workers[-1], signal.SIGKILL)
     output = launcher.communicate(timeout=300)[0]
     assert launcher.returncode == 0, output
     assert "restart=2" in output and output.count("resuming from") == 2, output

@@ -36,6 +36,7 @@ def assert_one_error_line(result, expected: str) -> None:
     assert "UsageError" not in result.stderr, "a usage error must not surface as a worker traceback"
 
 
+@pytest.mark.slow
 def test_generated_smoke_tests_pass(default_project):
     result = run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=default_project, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -50,6 +51,7 @@ def test_bad_option_is_one_clear_line(default_project, tmp_path, args, expected)
     assert_one_error_line(result, expected.format(tmp=tmp_path))
 
 
+@pytest.mark.slow
 def test_bad_option_under_torchrun_stops_every_rank_with_the_same_line(default_project, tmp_path):
     result = run(["torchrun", "--standalone", "--nproc-per-node=2", "train.py", *TINY, "--model", "resnet19"],
                  cwd=default_project)
@@ -91,6 +93,7 @@ def test_run_node_trains_an_epoch_and_evaluates_every_held_out_sample_once(defau
     assert sorted(path.name for path in tmp_path.glob("step-*.pt")) == ["step-8.pt"]
 
 
+@pytest.mark.slow
 def test_two_nodes_with_the_same_command_form_one_job(default_project, tmp_path):
     # Two "machines" on loopback, each started with the identical run_node.sh command line and environment.
     args = [*TINY, "--fake-samples", "256", "--max-steps", "6", "--log-every", "3", "--ckpt-dir", str(tmp_path)]
@@ -101,6 +104,7 @@ def test_two_nodes_with_the_same_command_form_one_job(default_project, tmp_path)
     assert sorted(path.name for path in tmp_path.glob("step-*.pt")) == ["step-6.pt"]
 
 
+@pytest.mark.slow
 def test_imagefolder_trains_on_a_users_folder(default_project, tmp_path):
     make_image_folder(tmp_path / "images", {"train": 4, "val": 3})
     result = run(["python", "train.py", "--data", "imagefolder", "--data-dir", str(tmp_path / "images"),
@@ -129,6 +133,7 @@ def test_run_node_refuses_a_launch_that_cannot_work(default_project, environment
     assert len(lines) == 1 and lines[0].startswith(expected), result.stderr
 
 
+@pytest.mark.slow
 def test_preflight_passes_on_two_local_ranks(default_project):
     result = run(["./run_node.sh", "--preflight", "--device", "cpu", "--megabytes", "4"], cwd=default_project,
                  NPROC_PER_NODE="2")
@@ -144,6 +149,7 @@ def test_preflight_refuses_to_run_without_torchrun(default_project):
     assert_one_error_line(result, "error: run the preflight under torchrun")
 
 
+@pytest.mark.slow
 def test_a_failed_download_stops_every_rank_instead_of_hanging(default_project, tmp_path):
     # Local rank 0 downloads while the others wait; its failure (here: the folder is under a file, so no
     # network is touched) must reach the waiting ranks, or they would sit in a collective until the timeout.

@@ -61,6 +61,7 @@ def torchrun(project: Path, nproc: int, *args: str) -> subprocess.CompletedProce
     return result
 
 
+@pytest.mark.slow
 def test_checkpoints_hold_a_cuda_generator_state_per_rank_and_resume_without_cuda(default_project, tmp_path):
     torchrun(default_project, 2, "--batch-size", "8", "--max-steps", "2", "--ckpt-dir", str(tmp_path))
     assert torch.load(tmp_path / "step-2.pt", weights_only=True)["cuda_rng_states"] == [[], []]  # empty: no CUDA
@@ -70,6 +71,7 @@ def test_checkpoints_hold_a_cuda_generator_state_per_rank_and_resume_without_cud
     assert torch.load(tmp_path / "step-3.pt", weights_only=True)["cuda_rng_states"] == [[]]
 
 
+@pytest.mark.slow
 def test_gpu_check_dry_run_prints_every_row(tmp_path):
     table = tmp_path / "gpu_check.md"
     result = run([sys.executable, str(TEMPLATE_ROOT / "benchmarks" / "gpu_check.py"), "--dry-run",

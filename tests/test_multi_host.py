@@ -12,14 +12,23 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_bitwise_equal, bare_torchrun, checkpoint, require, tool_env, wait_for, worker_pids
+from conftest import (
+    assert_bitwise_equal,
+    bare_torchrun,
+    checkpoint,
+    paused,
+    require,
+    tool_env,
+    wait_for,
+    worker_pids,
+)
 
 SUBNET = "10.213.77"  # private, used only inside the namespaces this module creates
 TINY = ["--data", "fake", "--fake-samples", "256", "--image-size", "16", "--batch-size", "16",
         "--num-workers", "0", "--device", "cpu", "--log-every", "2"]
 
-pytestmark = require(os.geteuid() == 0 and shutil.which("ip") is not None,
-                     "needs root and iproute2 to create network namespaces")
+pytestmark = [require(os.geteuid() == 0 and shutil.which("ip") is not None,
+                      "needs root and iproute2 to create network namespaces"), pytest.mark.slow]
 
 
 def sh(*command: str) -> None:
@@ -167,7 +176,8 @@ def test_bare_c10d_torchrun_on_two_hosts_recovers_from_kill_9_bitwise(
                                     'hostname "$0" && exec "$@"', hostname))
              for namespace, hostname in named_hosts]
     wait_for(tmp_path / "step-8.pt", nodes[0])
-    os.kill(worker_pids(nodes[1])[0], signal.SIGKILL)
+    with paused(*nodes):
+        os.kill(worker_pids(nodes[1])[0], signal.SIGKILL)
     outputs = finish(nodes)
     assert [node.returncode for node in nodes] == [0, 0], outputs
     # Two attempts, logged by rank 0 wherever the new round put it. The killed worker's torchrun counts a

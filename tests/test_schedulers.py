@@ -137,6 +137,7 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
         subprocess.run(["scontrol", "shutdown"], env=environment, capture_output=True)
 
 
+@pytest.mark.slow
 @require(os.geteuid() == 0 and HAS_SLURM, "needs root and Debian's slurm-wlm and munge")
 def test_two_one_node_slurm_jobs_on_one_machine_train_side_by_side(bake, slurm_cluster, tmp_path):
     project = bake(gpus_per_node="0")
@@ -165,6 +166,7 @@ def job_state(job_id: str, environment: dict[str, str]) -> dict[str, str]:
     return dict(field.split("=", 1) for field in shown.split() if "=" in field)
 
 
+@pytest.mark.slow
 @require(os.geteuid() == 0 and HAS_SLURM, "needs root and Debian's slurm-wlm and munge")
 def test_a_slurm_job_sent_sigterm_saves_requeues_itself_and_resumes_bitwise(
         bake, slurm_cluster, uninterrupted_bare, tmp_path):

@@ -19,6 +19,8 @@ import torch
 
 from conftest import run, tool_env
 
+pytestmark = pytest.mark.slow  # torchrun jobs: `make test-fast` leaves these out
+
 # small_cnn has no batch statistics and no dropout, so accumulated micro-batches must match a larger batch.
 # 512 samples over 2 ranks of 16 per step: 16 optimizer steps an epoch.
 SMALL = ["--data", "fake", "--model", "small_cnn", "--fake-samples", "512", "--image-size", "16",
