@@ -4,7 +4,8 @@ worker with SIGKILL at a random moment (mid-step, mid-save with a save every 5 s
 at the end of epoch 1) and measures the time from the kill to the next training step logged; every trial
 must end with weights bitwise equal to an uninterrupted run.
 
-    .venv/bin/python benchmarks/fault_recovery.py --trials 10
+    .venv/bin/python benchmarks/fault_recovery.py --trials 20
+    .venv/bin/python benchmarks/fault_recovery.py --analyze /tmp/ddp-bench-XXXX/ddp-training   # a run's logs again
 """
 
 from __future__ import annotations
@@ -68,11 +69,42 @@ def trial(project: Path, ckpt_dir: Path, kill_after_s: float) -> tuple[float | N
     return recovered_at - killed_at, output, last_line_before_kill
 
 
+PHASES = (("torchrun sees the death", "failed (exitcode"), ("new workers up (process group joined)", "restart=1"),
+          ("checkpoint loaded", "resuming from"), ("first step after it", " step "))
+
+
+def phases(log: str) -> dict[str, float]:
+    """Seconds after the kill at which each phase's first stamped line arrived."""
+    stamped = [(float(line[1:].split("s ", 1)[0]), line.split("s ", 1)[1]) for line in log.splitlines()
+               if line.startswith("+")]
+    found, start = {}, 0
+    for name, marker in PHASES:
+        for index in range(start, len(stamped)):
+            if marker in stamped[index][1]:
+                found[name], start = stamped[index][0], index
+                break
+    return found
+
+
+def print_phases(logs: list[str]) -> None:
+    """Median (min-max) of each phase's arrival after the kill, over the trials."""
+    table = [phases(log) for log in logs]
+    for name, _ in PHASES:
+        seen = [row[name] for row in table if name in row]
+        if seen:
+            print(f"  {name:40s} +{statistics.median(seen):5.2f} s ({min(seen):.2f}-{max(seen):.2f}), "
+                  f"{len(seen)} trials")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--analyze", type=Path, help="only print the phases of the trial-*.log in this folder")
     args = parser.parse_args()
+    if args.analyze:
+        print_phases([path.read_text() for path in sorted(args.analyze.glob("trial-*.log"))])
+        return
     random.seed(args.seed)
     project = bake_default_project()
     reference_dir = project / "reference"
@@ -81,12 +113,13 @@ def main() -> None:
     if reference.returncode != 0:
         sys.exit(reference_output)
     expected = torch.load(reference_dir / "step-48.pt", weights_only=True)["model"]
-    recoveries, failures, stalls = [], 0, 0
+    recoveries, failures, stalls, logs = [], 0, 0, []
     for index in range(args.trials):
         kill_after = random.uniform(0.0, 7.0)  # the run's 46 remaining steps take about 8 s here
         seconds, output, before = trial(project, project / f"trial-{index}", kill_after)
         stalls += "forcefully exiting via 9" in output
         (project / f"trial-{index}.log").write_text(output)
+        logs.append(output)
         final = project / f"trial-{index}" / "step-48.pt"
         bitwise = final.exists() and all(
             torch.equal(tensor, expected[name])
@@ -104,6 +137,8 @@ def main() -> None:
     if recoveries:
         print(f"kill -9 -> next training step: median {statistics.median(recoveries):.2f} s, "
               f"min {min(recoveries):.2f} s, max {max(recoveries):.2f} s")
+        print("where the time goes, after the kill:")
+        print_phases(logs)
     sys.exit(1 if failures else 0)
 
 

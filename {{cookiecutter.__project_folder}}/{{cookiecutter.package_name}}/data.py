@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import signal
-import socket
 import threading
 from pathlib import Path
 
@@ -14,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 from torchvision import datasets, transforms
 
-from .distributed import DistEnv, run_once_per_node
+from .distributed import DistEnv, close_job_sockets, run_once_per_node
 from .errors import UsageError
 from .options import TrainOptions
 
@@ -174,7 +172,7 @@ def detach_from_job_signals(worker_id: int) -> None:
     (torch checks the parent)."""
     os.setpgid(0, 0)
     signal.set_wakeup_fd(-1)  # the parent's watchdog pipe is not this process's
-    close_inherited_listening_sockets()
+    close_job_sockets()  # so a dead training process's ports refuse, and its peers' collectives fail, at once
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     training_process = os.getppid()
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # held for the thread below, in every thread
@@ -185,24 +183,6 @@ def detach_from_job_signals(worker_id: int) -> None:
                 os._exit(0)  # as torch's own worker handler does: a requested exit, not a failure
 
     threading.Thread(target=obey_sigterm_from_the_training_process, daemon=True).start()
-
-
-def close_inherited_listening_sockets() -> None:
-    """A forked worker holds copies of its training process's listening sockets (the job's store, gloo).
-    When that process dies, its ports must refuse connections at once, so that the next attempt's ranks see
-    a dead store as dead; a copy kept open here would accept them into a backlog nobody reads until this
-    worker notices its parent is gone (up to 5 s). (Linux; elsewhere workers are spawned, not forked.)"""
-    if not os.path.isdir("/proc/self/fd"):
-        return
-    for name in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError, ValueError):
-            probe = socket.socket(fileno=int(name))  # raises for anything that is not a socket
-            try:
-                listening = probe.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
-            finally:
-                probe.detach()  # the check must not close it
-            if listening:
-                os.close(int(name))
 
 
 def build_loaders(train_set: Dataset, eval_set: Dataset, options: TrainOptions, env: DistEnv,

@@ -126,11 +126,12 @@ def distributed_session(env: DistEnv, device: torch.device,
         torch.cuda.set_device(device)  # before init, so NCCL never puts every rank's context on cuda:0
     address = None
     if env.launched_by_torchrun:
-        store, address = store_of_this_attempt(env, timeout)
-        dist.init_process_group(
-            backend=backend_for(device), store=store, rank=env.rank, world_size=env.world_size, timeout=timeout,
-            device_id=device if device.type == "cuda" else None,
-        )
+        with recording_job_sockets():
+            store, address = store_of_this_attempt(env, timeout)
+            dist.init_process_group(
+                backend=backend_for(device), store=store, rank=env.rank, world_size=env.world_size,
+                timeout=timeout, device_id=device if device.type == "cuda" else None,
+            )
     try:
         yield address
     finally:
@@ -176,6 +177,42 @@ def store_of_this_attempt(env: DistEnv, timeout: timedelta) -> tuple[dist.Store,
                     return candidate, StoreAddress(host, int(port))
         time.sleep(0.05)
     raise TimeoutError(f"rank 0 published no store for this attempt within {timeout}")
+
+
+# The job's own connections (its store, gloo's full mesh), for DataLoader workers to close (data.py): a forked
+# copy would keep a dead rank's connections open, so its peers would wait in a collective instead of failing.
+JOB_SOCKETS: set[tuple[int, int]] = set()  # (file descriptor, socket inode)
+
+
+def network_sockets() -> dict[int, int]:
+    """This process's open TCP/IP sockets: file descriptor -> socket inode (Linux; empty elsewhere)."""
+    found = {}
+    if os.path.isdir("/proc/self/fd"):
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError, ValueError):
+                probe = socket.socket(fileno=int(name))  # raises for anything that is not a socket
+                family = probe.family
+                probe.detach()  # looking must not close it
+                if family in (socket.AF_INET, socket.AF_INET6):
+                    found[int(name)] = os.fstat(int(name)).st_ino
+    return found
+
+
+@contextlib.contextmanager
+def recording_job_sockets() -> Iterator[None]:
+    """Around the creation of a store or process group: remember the sockets it opened."""
+    before = network_sockets()
+    yield
+    JOB_SOCKETS.update(network_sockets().items() - before.items())
+
+
+def close_job_sockets() -> None:
+    """In a forked child (a DataLoader worker): close its copies of the job's connections and listening
+    ports, checking each is still the same socket."""
+    for fd, inode in JOB_SOCKETS:
+        with contextlib.suppress(OSError):
+            if os.fstat(fd).st_ino == inode:
+                os.close(fd)
 
 
 def address_toward(host: str) -> str:
@@ -243,7 +280,8 @@ class StopAgreement:
     """
 
     def __init__(self):
-        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        with recording_job_sockets():
+            self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self.pending: tuple[torch.Tensor, dist.Work | None] | None = None
 
     def agreed(self, received: bool) -> bool:
