@@ -124,6 +124,8 @@ def distributed_session(env: DistEnv, device: torch.device,
     """
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before init, so NCCL never puts every rank's context on cuda:0
+        # NCCL's flight recorder: the last collectives of each rank, which the watchdog writes out on a hang.
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
     address = None
     if env.launched_by_torchrun:
         with recording_job_sockets():

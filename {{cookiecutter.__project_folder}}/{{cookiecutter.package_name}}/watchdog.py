@@ -22,7 +22,9 @@ import time
 import traceback
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from .distributed import EXIT_CODE_AFTER_SIGTERM, DistEnv, StoreAddress
@@ -117,7 +119,7 @@ class Watchdog:
         sys.stderr.write(
             f"[rank {self.env.rank}] no progress for {stalled:.0f} s in {what} (step {step}); "
             f"{'waiting for other ranks' if waiting else 'NOT waiting for other ranks'}; its stack:\n"
-            f"{self._main_thread_stack()}")
+            f"{self._main_thread_stack()}{self._write_nccl_flight_record()}")
         sys.stderr.flush()
         try:
             self._share_and_summarize(report)
@@ -125,6 +127,20 @@ class Watchdog:
             sys.stderr.write(f"[rank {self.env.rank}] could not share this report ({type(error).__name__}); "
                              "rank 0, which holds the job's store, may be the rank that stopped\n")
         os._exit(EXIT_CODE_AFTER_HANG)
+
+    def _write_nccl_flight_record(self) -> str:
+        """On NCCL: this rank's in-flight collectives, as torch's flight recorder saw them (for
+        `python -m torch.distributed.flight_recorder.fr_trace`); a line saying where, or nothing."""
+        if not (dist.is_initialized() and dist.get_backend() == "nccl"):
+            return ""
+        try:
+            trace = torch._C._distributed_c10d._dump_nccl_trace_json(True, True)  # collectives, active only
+            path = Path("hang-reports") / f"nccl-flight-recorder-rank-{self.env.rank}.json"
+            path.parent.mkdir(exist_ok=True)
+            path.write_bytes(trace)
+            return f"NCCL flight recorder: {path.resolve()}\n"
+        except Exception as error:  # noqa: BLE001 - the stack above is the report; this is extra
+            return f"(no NCCL flight record: {type(error).__name__}: {error})\n"
 
     def _share_and_summarize(self, report: dict) -> None:
         if self._store_address is None:
