@@ -129,13 +129,13 @@ class Watchdog:
         os._exit(EXIT_CODE_AFTER_HANG)
 
     def _write_nccl_flight_record(self) -> str:
-        """On NCCL: this rank's in-flight collectives, as torch's flight recorder saw them (for
-        `python -m torch.distributed.flight_recorder.fr_trace`); a line saying where, or nothing."""
+        """On NCCL: this rank's last collectives, as torch's flight recorder saw them (read them all with
+        `python -m torch.distributed.flight_recorder.fr_trace hang-reports`); a line saying where, or nothing."""
         if not (dist.is_initialized() and dist.get_backend() == "nccl"):
             return ""
         try:
-            trace = torch._C._distributed_c10d._dump_nccl_trace_json(True, True)  # collectives, active only
-            path = Path("hang-reports") / f"nccl-flight-recorder-rank-{self.env.rank}.json"
+            trace = torch._C._distributed_c10d._dump_nccl_trace()  # pickled, as fr_trace reads it
+            path = Path("hang-reports") / f"nccl_trace_rank_{self.env.rank}"
             path.parent.mkdir(exist_ok=True)
             path.write_bytes(trace)
             return f"NCCL flight recorder: {path.resolve()}\n"
