@@ -3,9 +3,11 @@ PyTorchJob manifest with what the training operator needs."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -184,11 +186,27 @@ def test_a_slurm_job_sent_sigterm_saves_requeues_itself_and_resumes_bitwise(
     while not (tmp_path / "step-8.pt").exists():
         assert time.monotonic() < deadline, log.read_text() if log.exists() else job_state(job_id, environment)
         time.sleep(0.2)
+    # Held still while the signal is sent, so that this small model's run cannot end first.
+    held = [int(pid) for pid in subprocess.run(["pgrep", "-f", f"--ckpt-dir {tmp_path}"], capture_output=True,
+                                               text=True).stdout.split()]
+    for pid in held:
+        os.kill(pid, signal.SIGSTOP)
     subprocess.run(["scancel", "--signal=TERM", job_id], env=environment, check=True)
+    for pid in held:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    ended_at = None  # a job that requeues itself passes through FAILED for a moment
     while (state := job_state(job_id, environment))["JobState"] != "COMPLETED":
-        assert state["JobState"] in ("RUNNING", "PENDING", "REQUEUED", "COMPLETING"), log.read_text()
-        if state["JobState"] == "PENDING" and state.get("Reason") == "BeginTime":
-            # Slurm holds a requeued job for about two minutes; start it now rather than wait.
+        if state["JobState"] in ("RUNNING", "PENDING", "REQUEUED", "COMPLETING"):
+            ended_at = None
+        else:
+            ended_at = ended_at or time.monotonic()
+            assert time.monotonic() - ended_at < 10, (state, log.read_text())
+        script_done = subprocess.run(["pgrep", "-f", f"job{int(job_id):05d}/slurm_script"],
+                                     capture_output=True).returncode != 0
+        if state["JobState"] == "PENDING" and state.get("Reason") == "BeginTime" and script_done:
+            # Slurm holds a requeued job for about two minutes; start it now rather than wait (once the
+            # first run's batch script has exited, or its exit status would be taken for the second run's).
             subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=environment, check=True)
         assert time.monotonic() < deadline + 180, log.read_text()
         time.sleep(0.5)
