@@ -19,9 +19,8 @@ DEFAULT_FILES = {
     "slurm/train.sbatch",
     "tests/harness.py", "tests/test_smoke.py",
     *(f"ddp_training/{name}.py" for name in
-      ("__init__", "checkpoint", "data", "distributed", "errors", "evaluation", "export", "metrics", "model",
-       "optim", "options", "parallel", "precision", "preflight", "progress", "reporting", "reproducibility",
-       "sharded_checkpoint", "watchdog")),
+      ("__init__", "checkpoint", "data", "distributed", "export", "metrics", "optim", "options", "parallel",
+       "preflight", "reproducibility", "sharded_checkpoint", "task", "watchdog")),
 }
 
 # Every value class each answer admits; each is baked and checked.
@@ -101,7 +100,8 @@ def test_recorded_answers_are_every_answer_given(default_project):
     assert json.loads((default_project / ".cookiecutter.json").read_text()) == {
         "project_name": "DDP Training", "project_slug": "ddp-training", "package_name": "ddp_training",
         "author": "Your Name", "nnodes": "1", "nproc_per_node": "auto", "rdzv_port": "29400", "max_restarts": "3",
-        "gpus_per_node": "8", "use_slurm": "yes", "use_kubernetes": "no", "strategy": "ddp"}
+        "gpus_per_node": "8", "use_slurm": "yes", "use_kubernetes": "no", "strategy": "ddp",
+        "task": "image_classification"}
 
 
 def test_next_steps_are_printed_for_a_person_only(tmp_path):

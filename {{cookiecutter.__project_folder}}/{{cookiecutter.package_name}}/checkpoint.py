@@ -8,20 +8,38 @@ import re
 import tempfile
 import time
 import uuid
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from .distributed import DistEnv, all_reduce_int, barrier, broadcast_object
-from .errors import UsageError
-from .options import TrainOptions, flag
+from .options import TrainOptions, UsageError, flag
 from .parallel import sync_buffers_from_main
-from .progress import TrainingProgress
 from .reproducibility import gather_cuda_rng_states, restore_cuda_rng_state
 
 log = logging.getLogger(__name__)
 CHECKPOINT_NAME = re.compile(r"step-(\d+)\.pt")
+
+
+@dataclass
+class TrainingProgress:
+    """Where training stands: what a resumed run needs besides weights and optimizer state."""
+
+    step: int = 0  # optimizer steps completed
+    epoch: int = 0
+    samples_in_epoch: int = 0  # global samples (all ranks) of this epoch already trained on
+
+    def advance(self, global_batch_size: int) -> None:
+        self.step += 1
+        self.samples_in_epoch += global_batch_size
+
+    def finished(self, epochs: int, max_steps: int | None) -> bool:
+        return self.epoch >= epochs or (max_steps is not None and self.step >= max_steps)
+
+    def next_epoch(self) -> None:
+        self.epoch += 1
+        self.samples_in_epoch = 0
 
 
 def checkpoint_path(ckpt_dir: Path, step: int) -> Path:
@@ -124,7 +142,7 @@ def restore_training_state(state: dict, components: dict) -> TrainingProgress:
 
 
 # Options a checkpoint cannot be resumed under once changed: its tensors would not fit them.
-FIXED_UNDER_A_CHECKPOINT = ("model", "num_classes")
+FIXED_UNDER_A_CHECKPOINT = ("model", "num_classes", "vocab_size", "block_size", "n_layer", "n_head", "n_embd")
 # What a changed option does to a resumed run, where that is not plain from its --help.
 EFFECT_OF_CHANGING = {
     "epochs": "the LR schedule is re-planned over the new --epochs from this step on",

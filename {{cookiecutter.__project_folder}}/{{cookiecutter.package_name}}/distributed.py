@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .errors import UsageError
+from .options import UsageError
 
 # What torchrun sets for every worker. Either all of these are present or none (plain `python train.py`).
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -227,6 +227,15 @@ def broadcast_object(value, source_rank: int = 0):
     holder = [value]
     dist.broadcast_object_list(holder, src=source_rank)
     return holder[0]
+
+
+def from_first_rank_with(value, device: torch.device):
+    """The value of the lowest-numbered rank where it is not None (None if it is None everywhere)."""
+    if not dist.is_initialized():
+        return value
+    world_size = dist.get_world_size()
+    source = all_reduce_int(dist.get_rank() if value is not None else world_size, device, "min")
+    return None if source == world_size else broadcast_object(value, source_rank=source)
 
 
 # Exit status after a clean stop on SIGTERM: the shell's "terminated by SIGTERM", so a scheduler or torchrun

@@ -5,7 +5,7 @@
     python -m {{ cookiecutter.package_name }}.export checkpoints model.pt              # the newest in a --ckpt-dir
 
 One process, no GPU or torchrun needed. Load the result with
-    model = build_model(name, num_classes); model.load_state_dict(torch.load("model.pt", weights_only=True))
+    model = task.build_model(options, train_set); model.load_state_dict(torch.load("model.pt", weights_only=True))
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .distributed import DistEnv, distributed_session, select_device
-from .errors import UsageError
+from .options import UsageError
 from .parallel import wrap_model
 
 SLOW_RANK_FACTOR = 2.0  # a rank whose all-reduce takes this many times the median is flagged

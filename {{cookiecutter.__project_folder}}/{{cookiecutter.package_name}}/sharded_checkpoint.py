@@ -21,11 +21,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from .checkpoint import check_resumed_options, checkpoint_mismatch, elect_writers, fsync_directory
+from .checkpoint import TrainingProgress, check_resumed_options, checkpoint_mismatch, elect_writers, fsync_directory
 from .distributed import DistEnv, barrier, broadcast_object
-from .errors import UsageError
+from .options import UsageError
 from .parallel import sync_buffers_from_main
-from .progress import TrainingProgress
 from .reproducibility import gather_cuda_rng_states, restore_cuda_rng_state
 
 log = logging.getLogger(__name__)
