@@ -28,6 +28,7 @@ from {{ cookiecutter.package_name }}.distributed import (
     StoreAddress,
     distributed_session,
     select_device,
+    stop_job_for_usage_error,
 )
 from {{ cookiecutter.package_name }}.metrics import build_meter, describe_job, evaluate, log, setup_logging
 from {{ cookiecutter.package_name }}.optim import MixedPrecision, build_lr_schedule, planned_steps, resolve_precision
@@ -113,6 +114,7 @@ def train(options: TrainOptions, env: DistEnv, device: torch.device, store: Stor
 
 @record  # an uncaught exception's traceback reaches torchrun's failure summary
 def main(argv: list[str] | None = None) -> None:
+    env = None
     try:
         env = DistEnv.from_environ()
         setup_logging(env)
@@ -124,8 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         with distributed_session(env, device, timeout=options.collective_timeout()) as store:
             train(options, env, device, store)
     except UsageError as error:
-        sys.stderr.write(f"error: {error}\n")  # one write, so lines from several ranks do not interleave
-        sys.exit(1)
+        stop_job_for_usage_error(error, env)  # one line per job, and torchrun does not restart it
 
 
 if __name__ == "__main__":

@@ -14,7 +14,22 @@ from typing import Literal
 
 
 class UsageError(Exception):
-    """Bad input (a flag, a path, the launch environment): reported as one line, never a traceback."""
+    """Bad input (a flag, a path, the launch environment): reported as one line, never a traceback.
+
+    Most are found identically on every rank (the same flags and checks), and one rank reports them for the
+    whole job; same_on_every_rank=False marks one that only some ranks see, which each of them reports."""
+
+    def __init__(self, message: str, same_on_every_rank: bool = True):
+        super().__init__(message)
+        self.same_on_every_rank = same_on_every_rank
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that raises UsageError instead of printing its usage and exiting, so a bad flag is reported
+    once per job like any other usage error, not by every rank of every attempt."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message}; see python train.py --help")
 
 
 def option(default, help: str):  # noqa: A002 - mirrors argparse's keyword
@@ -152,7 +167,7 @@ class DefaultsOnceFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description="Train a model (task.py); launch with torchrun or run_node.sh (see train.py).",
         formatter_class=DefaultsOnceFormatter,
     )
