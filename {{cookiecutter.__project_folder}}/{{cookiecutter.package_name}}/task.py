@@ -200,7 +200,9 @@ def check_options(options: TrainOptions) -> None:
 
 def unknown_name(kind: str, name: str, registry: dict, decorator: str) -> str:
     close = difflib.get_close_matches(name, list(registry), n=3)
-    hint = f"did you mean {', '.join(close)}?" if close else f"known: {', '.join(sorted(registry)[:8])}, ..."
+    known = sorted(registry)
+    hint = (f"did you mean {', '.join(close)}?" if close
+            else f"known: {', '.join(known[:8])}{', ...' if len(known) > 8 else ''}.")
     return (f"--{kind} {name!r} is not registered; {hint} To add it, register a builder with "
             f"@{decorator}({name!r}) in {__name__.replace('.', '/')}.py")
 
