@@ -19,8 +19,9 @@ DEFAULT_FILES = {
     "slurm/train.sbatch",
     "tests/harness.py", "tests/test_smoke.py",
     *(f"ddp_training/{name}.py" for name in
-      ("__init__", "checkpoint", "data", "distributed", "export", "metrics", "optim", "options", "parallel",
-       "preflight", "reproducibility", "sharded_checkpoint", "task", "watchdog")),
+      ("__init__", "checkpoint/__init__", "checkpoint/common", "checkpoint/replicated", "checkpoint/sharded", "data",
+       "distributed", "export", "metrics", "optim", "options", "parallel", "preflight", "reproducibility", "task",
+       "watchdog")),
 }
 
 # Every value class each answer admits; each is baked and checked.
@@ -68,7 +69,7 @@ def test_generated_pyproject_asks_for_any_recent_torch(default_project):
 def test_generated_project_builds_a_wheel_of_its_package(default_project, tmp_path):
     wheel = build_wheel(default_project, tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
-    assert {f"ddp_training/{name}.py" for name in ("options", "distributed", "checkpoint")} <= set(names)
+    assert {f"ddp_training/{name}.py" for name in ("options", "distributed", "checkpoint/__init__")} <= set(names)
     # What the README says `pip install .` gives: the package, nothing else.
     assert {name.split("/")[0] for name in names} == {"ddp_training", "ddp_training-0.1.0.dist-info"}
     assert "`pip install .` (or the wheel `python -m build` makes) installs the `ddp_training` package" in \

@@ -1,8 +1,9 @@
 """Everything torchrun and torch.distributed: read the launch environment once, pick device and backend,
 start and tear down the process group, and reduce numbers across ranks.
 
-Nothing else in the project reads os.environ or calls torch.distributed directly, except parallel.py, which
-wraps the model for data parallelism.
+Nothing else in the project reads os.environ or calls torch.distributed's collectives directly; parallel.py
+wraps the model (DDP, FSDP2), watchdog.py opens a store connection of its own, and checkpoint/sharded.py
+hands FSDP2's shards to torch.distributed.checkpoint.
 """
 
 from __future__ import annotations
@@ -196,19 +197,30 @@ def listening(host: str, port: int) -> bool:
         return False
 
 
+def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """Reduce across ranks in place with op "sum", "max" or "min"; returns the tensor for chaining."""
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+    return tensor
+
+
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum across ranks, in place; returns the tensor for chaining."""
-    if dist.is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
+    return all_reduce(tensor, "sum")
+
+
+def all_gather_objects(value) -> list:
+    """Every rank's value of a picklable object, in rank order, on every rank."""
+    if not dist.is_initialized():
+        return [value]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 def all_reduce_int(value: int, device: torch.device, op: str) -> int:
     """An integer reduced over ranks with op "sum", "max" or "min" (every rank gets the result)."""
-    tensor = torch.tensor([value], dtype=torch.int64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
-    return int(tensor.item())
+    return int(all_reduce(torch.tensor([value], dtype=torch.int64, device=device), op).item())
 
 
 def barrier(device: torch.device) -> None:

@@ -18,8 +18,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from .checkpoint import list_checkpoints
-from .sharded_checkpoint import list_sharded_checkpoints, missing_pieces
+from .checkpoint import list_checkpoints, list_sharded_checkpoints, missing_pieces
 
 
 def newest_checkpoint(ckpt_dir: Path) -> Path:
