@@ -10,7 +10,8 @@
     .venv/bin/python benchmarks/language_model.py --nanogpt /path/to/nanoGPT [--rounds 3 --steps 100]
 
 nanoGPT's train.py puts every DDP rank on cuda:LOCAL_RANK; to run its ranks on CPU this script copies it and
-changes those two lines only (`device = f'cuda:{ddp_local_rank}'` and `torch.cuda.set_device(device)`).
+changes three lines only (`device = f'cuda:{ddp_local_rank}'`, `torch.cuda.set_device(device)` and DDP's
+`device_ids=[ddp_local_rank]`, each kept for CUDA).
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ def nanogpt_copy(source: Path, work: Path, data: Path) -> Path:
     train = (source / "train.py").read_text()
     for old, new in [("    device = f'cuda:{ddp_local_rank}'\n    torch.cuda.set_device(device)\n",
                       "    device = device if device == 'cpu' else f'cuda:{ddp_local_rank}'\n"
-                      "    if device != 'cpu': torch.cuda.set_device(device)\n")]:
+                      "    if device != 'cpu': torch.cuda.set_device(device)\n"),
+                     ("model = DDP(model, device_ids=[ddp_local_rank])",
+                      "model = DDP(model, device_ids=[ddp_local_rank] if device != 'cpu' else None)")]:
         if old not in train:
             sys.exit("nanoGPT's train.py changed; update the CPU patch in benchmarks/language_model.py")
         train = train.replace(old, new)
@@ -116,7 +119,7 @@ PURE_COMPUTE = """
 import statistics, sys, time, types
 import torch
 from {package} import task
-options = types.SimpleNamespace(lr=6e-4, dropout=0.0, vocab_size=256, data="tokens", **{size})
+options = types.SimpleNamespace(model="gpt", lr=6e-4, dropout=0.0, vocab_size=256, data="tokens", **{size})
 torch.manual_seed(0)
 model = task.build_model(options, None)
 optimizer = task.build_optimizer(model, options)
@@ -136,8 +139,9 @@ print(f"tokens/s {{statistics.median(rates[len(rates) // 4:]):.1f}}")
 
 
 def against_pure_compute(project: Path, data: Path, rounds: int, steps: int) -> None:
+    # One thread each (OMP_NUM_THREADS=1): on cores shared with other work, a multi-threaded process's 5-step
+    # windows varied 4x (threads waiting for each other at every barrier); one thread varies far less.
     env = child_env()
-    env.pop("OMP_NUM_THREADS")  # one process: let both use every core, as a user's single run would
     package = next(path.parent.name for path in project.glob("*/task.py"))
     script = PURE_COMPUTE.format(package=package, size=SIZE, batch=BATCH, steps=steps)
     compute, ours = [], []
