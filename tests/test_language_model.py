@@ -123,3 +123,11 @@ def test_fsdp2_token_files_resume_on_another_world_size_and_export(bake, text_di
     weights = torch.load(exported, weights_only=True)
     assert weights["token_embedding.weight"].shape == (256, 32)
     assert sum("blocks." in name for name in weights) > 0 and not any(n.startswith("module.") for n in weights)
+
+
+def test_language_model_project_is_lint_clean_and_its_smoke_tests_pass(lm_project):
+    lint = run(["ruff", "check", "."], cwd=lm_project)
+    assert lint.returncode == 0, lint.stdout
+    smoke = run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=lm_project, timeout=600)
+    assert smoke.returncode == 0, smoke.stdout + smoke.stderr
+    assert re.search(r"\b3 passed\b", smoke.stdout), smoke.stdout  # with task.py's SMOKE_TEST_ARGS
