@@ -61,7 +61,7 @@ class Rates:
 
 
 def bare(args) -> None:
-    from ddp_training.data import LearnableFakeData  # the generated project's data: same samples
+    from ddp_training.task import LearnableFakeData  # the generated project's data: same samples
 
     cuda = args.device == "cuda"
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")

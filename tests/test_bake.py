@@ -19,9 +19,9 @@ DEFAULT_FILES = {
     "slurm/train.sbatch",
     "tests/harness.py", "tests/test_smoke.py",
     *(f"ddp_training/{name}.py" for name in
-      ("__init__", "checkpoint", "data", "distributed", "errors", "evaluation", "export", "metrics", "model",
-       "optim", "options", "parallel", "precision", "preflight", "progress", "reporting", "reproducibility",
-       "sharded_checkpoint", "watchdog")),
+      ("__init__", "checkpoint/__init__", "checkpoint/common", "checkpoint/replicated", "checkpoint/sharded", "data",
+       "distributed", "export", "metrics", "optim", "options", "parallel", "preflight", "reproducibility", "task",
+       "watchdog")),
 }
 
 # Every value class each answer admits; each is baked and checked.
@@ -69,7 +69,7 @@ def test_generated_pyproject_asks_for_any_recent_torch(default_project):
 def test_generated_project_builds_a_wheel_of_its_package(default_project, tmp_path):
     wheel = build_wheel(default_project, tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
-    assert {f"ddp_training/{name}.py" for name in ("options", "distributed", "checkpoint")} <= set(names)
+    assert {f"ddp_training/{name}.py" for name in ("options", "distributed", "checkpoint/__init__")} <= set(names)
     # What the README says `pip install .` gives: the package, nothing else.
     assert {name.split("/")[0] for name in names} == {"ddp_training", "ddp_training-0.1.0.dist-info"}
     assert "`pip install .` (or the wheel `python -m build` makes) installs the `ddp_training` package" in \
@@ -101,7 +101,8 @@ def test_recorded_answers_are_every_answer_given(default_project):
     assert json.loads((default_project / ".cookiecutter.json").read_text()) == {
         "project_name": "DDP Training", "project_slug": "ddp-training", "package_name": "ddp_training",
         "author": "Your Name", "nnodes": "1", "nproc_per_node": "auto", "rdzv_port": "29400", "max_restarts": "3",
-        "gpus_per_node": "8", "use_slurm": "yes", "use_kubernetes": "no", "strategy": "ddp"}
+        "gpus_per_node": "8", "use_slurm": "yes", "use_kubernetes": "no", "strategy": "ddp",
+        "task": "image_classification"}
 
 
 def test_next_steps_are_printed_for_a_person_only(tmp_path):

@@ -8,6 +8,7 @@ import importlib
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ def baked_module(default_project, monkeypatch):
 
 
 def test_auto_precision_is_bf16_only_where_the_gpu_computes_it_natively(baked_module, monkeypatch):
-    precision = baked_module("precision")
+    precision = baked_module("optim")
     cuda = torch.device("cuda", 0)
     for capability, expected in [((7, 0), "fp32"), ((7, 5), "fp32"), ((8, 0), "bf16"), ((9, 0), "bf16")]:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, found=capability: found)
@@ -38,21 +39,20 @@ def test_auto_precision_is_bf16_only_where_the_gpu_computes_it_natively(baked_mo
 
 
 def test_evaluation_runs_under_the_training_autocast(baked_module):
-    precision, evaluation = baked_module("precision"), baked_module("evaluation")
-    model_module, data = baked_module("model"), baked_module("data")
+    precision, metrics, task = baked_module("optim"), baked_module("metrics"), baked_module("task")
     torch.manual_seed(0)
-    model = model_module.build_model("small_cnn", 10)
+    model = task.small_cnn(SimpleNamespace(num_classes=10), None)
     conv_output_dtypes = []
     model[0][0].register_forward_hook(lambda module, inputs, output: conv_output_dtypes.append(output.dtype))
-    loader = DataLoader(data.LearnableFakeData(48, 16, 10, seed=0), batch_size=16)
+    loader = DataLoader(task.LearnableFakeData(48, 16, 10, seed=0), batch_size=16)
     cpu = torch.device("cpu")
-    fp32 = evaluation.evaluate(model, loader, cpu, precision.MixedPrecision("fp32", cpu))
+    fp32 = metrics.evaluate(model, loader, cpu, precision.MixedPrecision("fp32", cpu), task)
     assert set(conv_output_dtypes) == {torch.float32}
     conv_output_dtypes.clear()
-    bf16 = evaluation.evaluate(model, loader, cpu, precision.MixedPrecision("bf16", cpu))
+    bf16 = metrics.evaluate(model, loader, cpu, precision.MixedPrecision("bf16", cpu), task)
     assert set(conv_output_dtypes) == {torch.bfloat16}
-    assert bf16[2] == fp32[2] == 48
-    assert bf16[0] != fp32[0] and abs(bf16[0] - fp32[0]) < 0.05 * fp32[0], (bf16, fp32)
+    assert bf16["samples"] == fp32["samples"] == 48
+    assert bf16["loss"] != fp32["loss"] and abs(bf16["loss"] - fp32["loss"]) < 0.05 * fp32["loss"], (bf16, fp32)
 
 
 def torchrun(project: Path, nproc: int, *args: str) -> subprocess.CompletedProcess:

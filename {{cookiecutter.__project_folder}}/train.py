@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-r"""Train an image classifier with DDP or FSDP2, launched by torchrun.
+r"""Train the model of {{ cookiecutter.package_name }}/task.py with DDP or FSDP2, launched by torchrun.
 
     python train.py --max-steps 50                        # one plain process, for debugging
     ./run_node.sh --epochs 5                              # all GPUs (or CPU ranks) of this machine
@@ -12,14 +12,15 @@ newest checkpoint in --ckpt-dir. The loop below is yours to edit; torchrun detai
 {{ cookiecutter.package_name }}/distributed.py.
 """
 
+import math
 import sys
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from {{ cookiecutter.package_name }} import task
 from {{ cookiecutter.package_name }}.checkpoint import build_checkpointer, check_checkpoint_dir
-from {{ cookiecutter.package_name }}.data import build_datasets, build_loaders, check_data_source, to_device
+from {{ cookiecutter.package_name }}.data import build_loaders, to_device
 from {{ cookiecutter.package_name }}.distributed import (
     EXIT_CODE_AFTER_SIGTERM,
     DistEnv,
@@ -27,16 +28,12 @@ from {{ cookiecutter.package_name }}.distributed import (
     StoreAddress,
     distributed_session,
     select_device,
+    stop_job_for_usage_error,
 )
-from {{ cookiecutter.package_name }}.errors import UsageError
-from {{ cookiecutter.package_name }}.evaluation import evaluate
-from {{ cookiecutter.package_name }}.metrics import build_meter
-from {{ cookiecutter.package_name }}.model import build_model, check_model_name
-from {{ cookiecutter.package_name }}.optim import build_lr_schedule, build_optimizer, planned_steps
-from {{ cookiecutter.package_name }}.options import TrainOptions, parse_options
+from {{ cookiecutter.package_name }}.metrics import build_meter, describe_job, evaluate, log, setup_logging
+from {{ cookiecutter.package_name }}.optim import MixedPrecision, build_lr_schedule, planned_steps, resolve_precision
+from {{ cookiecutter.package_name }}.options import TrainOptions, UsageError, parse_options
 from {{ cookiecutter.package_name }}.parallel import gradient_sync, uses_channels_last, wrap_model
-from {{ cookiecutter.package_name }}.precision import MixedPrecision, resolve_precision
-from {{ cookiecutter.package_name }}.reporting import describe_job, log, setup_logging
 from {{ cookiecutter.package_name }}.reproducibility import seed_and_choose_kernels
 from {{ cookiecutter.package_name }}.watchdog import Watchdog
 
@@ -48,82 +45,88 @@ def train(options: TrainOptions, env: DistEnv, device: torch.device, store: Stor
     watchdog = Watchdog(env, store, step_timeout=options.step_timeout, io_timeout=options.io_timeout)
     stop = StopAgreement()
     seed_and_choose_kernels(options, env, device)  # CUDA: a generator seed per rank; cuDNN autotuning
-    train_set, eval_set = build_datasets(options, env, device)
+    train_set, eval_set = task.build_datasets(options, env, device)
     train_loader, eval_loader = build_loaders(train_set, eval_set, options, env, device)
-    model = build_model(options.model, options.num_classes).to(device)
+    model = task.build_model(options, train_set).to(device)
     channels_last = uses_channels_last(model, device, options.channels_last)
     model = model.to(memory_format=torch.channels_last) if channels_last else model
     amp = MixedPrecision(resolve_precision(options.precision, device), device)
     # Forward and backward through training_model (DDP or FSDP2, maybe compiled); save and evaluate `model`.
     training_model = wrap_model(model, device, options.strategy, options.compile, options.grad_accum,
                                 param_dtype=amp.param_dtype)
-    optimizer = build_optimizer(model, options)  # after wrapping: FSDP2 swaps in sharded parameters
+    optimizer = task.build_optimizer(model, options)  # after wrapping: FSDP2 swaps in sharded parameters
     steps_per_epoch = len(train_loader) // options.grad_accum
     lr_schedule = build_lr_schedule(optimizer, options, steps_per_epoch)
     checkpointer = build_checkpointer(options, env, device, model=model, optimizer=optimizer,
                                       lr_schedule=lr_schedule, grad_scaler=amp)
     progress = checkpointer.resume()
-    meter = build_meter(options, env, device, planned_steps(options, steps_per_epoch), done_steps=progress.step)
+    if options.eval_every:  # one held-out batch now, so a bug in the evaluation path shows before training
+        with watchdog.slow_phase("checking evaluation on one batch"):
+            evaluate(model, eval_loader, device, amp, task, max_batches=1)
+    meter = build_meter(options, env, device, planned_steps(options, steps_per_epoch), done_steps=progress.step,
+                        unit=task.THROUGHPUT_UNIT, flops_per_unit=task.model_flops_per_unit(model, options))
     micro_batch_size = options.batch_size * env.world_size  # samples per micro-step, all ranks together
+    stop_requested = False
 
-    while not progress.finished(options.epochs, options.max_steps):
+    while not (stop_requested or progress.finished(options.epochs, options.max_steps)):
         # Mid-epoch resume: skip exactly the samples this epoch has already trained on.
         train_loader.sampler.set_epoch(progress.epoch, start_sample=progress.samples_in_epoch)
-        for micro_step, (images, labels) in enumerate(meter.timed(train_loader), start=1):
-            images, labels = to_device(images, labels, device, channels_last)
+        for micro_step, (inputs, targets) in enumerate(meter.timed(train_loader), start=1):
+            inputs, targets = to_device((inputs, targets), device, channels_last)
             last_micro_batch = micro_step % options.grad_accum == 0  # of this optimizer step
             with gradient_sync(training_model, enabled=last_micro_batch):  # all-reduce only on the last micro-step
                 with amp.autocast():
-                    loss = F.cross_entropy(training_model(images), labels)
+                    loss = task.compute_loss(training_model(inputs), targets)
                 amp.backward(loss / options.grad_accum)  # the mean over the step's micro-batches
-            meter.update(loss, micro_batch_size)
+            meter.update(loss, micro_batch_size * task.units_per_sample(options))
             if not last_micro_batch:
                 continue
-            amp.step(optimizer, model, options.clip_grad)  # clips first when --clip-grad is set
+            amp.scaler.unscale_(optimizer)  # true gradients for the norm and clipping (a no-op unless fp16)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), options.clip_grad or math.inf)
+            amp.scaler.step(optimizer)  # fp16: skips a step whose gradients overflowed
+            amp.scaler.update()
             optimizer.zero_grad(set_to_none=True)
             progress.advance(micro_batch_size * options.grad_accum)
-            meter.end_step(progress.step, progress.epoch, lr=lr_schedule.get_last_lr()[0])  # lr of this step
+            meter.end_step(progress.step, progress.epoch, lr_schedule.get_last_lr()[0], grad_norm)  # this step's lr
             lr_schedule.step()
             watchdog.beat(progress.step)
             if progress.step % options.ckpt_every == 0:
                 with watchdog.slow_phase("saving a checkpoint"):
                     checkpointer.save(progress)
-            if stop.agreed(watchdog.sigterm_received):  # SIGTERM reached some rank: preemption, or torchrun
-                with watchdog.slow_phase("saving a checkpoint after SIGTERM"):
-                    checkpointer.save(progress)
-                log.info("stopped by SIGTERM after step %d; run the same command again to resume", progress.step)
-                sys.exit(EXIT_CODE_AFTER_SIGTERM)
-            if progress.finished(options.epochs, options.max_steps):
+            stop_requested = stop.agreed(watchdog.sigterm_received)  # SIGTERM reached some rank: same step on all
+            if stop_requested or progress.finished(options.epochs, options.max_steps):
                 break
         else:  # the epoch ran to its end
             progress.next_epoch()
             if options.eval_every and progress.epoch % options.eval_every == 0:
                 with watchdog.slow_phase("evaluating"):
-                    meter.log_evaluation(progress.step, progress.epoch, evaluate(model, eval_loader, device, amp))
+                    meter.log_evaluation(progress.step, progress.epoch, evaluate(model, eval_loader, device, amp, task))
 
     with watchdog.slow_phase("final checkpoint and evaluation"):
         checkpointer.save(progress)  # before the evaluation, so a failing evaluation loses no training
+        if stop_requested:  # preemption, or torchrun stopping the group
+            log.info("stopped by SIGTERM after step %d; run the same command again to resume", progress.step)
+            sys.exit(EXIT_CODE_AFTER_SIGTERM)
         if options.eval_every and progress.samples_in_epoch:  # stopped by --max-steps part-way through an epoch
-            meter.log_evaluation(progress.step, progress.epoch, evaluate(model, eval_loader, device, amp))
+            meter.log_evaluation(progress.step, progress.epoch, evaluate(model, eval_loader, device, amp, task))
     meter.close()
 
 
 @record  # an uncaught exception's traceback reaches torchrun's failure summary
 def main(argv: list[str] | None = None) -> None:
+    env = None
     try:
         env = DistEnv.from_environ()
         setup_logging(env)
         options = parse_options(argv)
         device = select_device(options.device, env)
         # Bad input fails here, on every rank, before any process group or download starts.
-        check_model_name(options.model)
-        check_data_source(options)
+        task.check_options(options)
         check_checkpoint_dir(options.ckpt_dir)
         with distributed_session(env, device, timeout=options.collective_timeout()) as store:
             train(options, env, device, store)
     except UsageError as error:
-        sys.stderr.write(f"error: {error}\n")  # one write, so lines from several ranks do not interleave
-        sys.exit(1)
+        stop_job_for_usage_error(error, env)  # one line per job, and torchrun does not restart it
 
 
 if __name__ == "__main__":

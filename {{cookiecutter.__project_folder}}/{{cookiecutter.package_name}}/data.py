@@ -1,4 +1,5 @@
-"""Datasets and loaders: fake, cifar10 or imagefolder, sharded across ranks by a resumable sampler."""
+"""Loaders for any task's datasets (task.py builds them): sharded across ranks by a resumable sampler, with
+per-sample seeded augmentation, and batches moved to the device."""
 
 from __future__ import annotations
 
@@ -10,39 +11,9 @@ from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
-from torchvision import datasets, transforms
 
-from .distributed import DistEnv, close_job_sockets, run_once_per_node
-from .errors import UsageError
-from .options import TrainOptions
-
-# Per-channel statistics of CIFAR-10; close enough for natural images in general.
-MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
-
-
-class LearnableFakeData(Dataset):
-    """Random images, deterministic per index, plus a faint pattern per class, so a model can learn
-    something that generalises to the held-out split: loss falls, accuracy rises."""
-
-    def __init__(self, size: int, image_size: int, num_classes: int, seed: int, first_index: int = 0):
-        self.size = size
-        self.shape = (3, image_size, image_size)
-        self.num_classes = num_classes
-        # Sample i is drawn from seed i + offset: splits with disjoint index ranges share no image.
-        self.offset = seed * 1_000_003 + first_index
-        patterns = torch.Generator().manual_seed(seed)
-        self.class_patterns = torch.rand(num_classes, *self.shape, generator=patterns)
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        # A generator of its own, not torch.manual_seed: that also queues a seed for every lazily
-        # initialised GPU backend, with a stack trace each time, and cost 1 ms a sample (benchmarks/).
-        generator = torch.Generator().manual_seed(self.offset + index)
-        label = int(torch.randint(self.num_classes, (), generator=generator))
-        noise = torch.rand(self.shape, generator=generator)
-        return 0.5 * noise + 0.5 * self.class_patterns[label], label
+from .distributed import DistEnv, close_job_sockets
+from .options import TrainOptions, UsageError
 
 
 class SeededSampleDataset(Dataset):
@@ -122,43 +93,6 @@ class ResumableDistributedSampler(DistributedSampler):
         return remaining - remaining % self.samples_per_step
 
 
-def build_datasets(options: TrainOptions, env: DistEnv, device: torch.device) -> tuple[Dataset, Dataset]:
-    """(train, held-out) datasets for --data."""
-    if options.data == "fake":
-        shape = dict(image_size=options.image_size, num_classes=options.num_classes, seed=options.seed)
-        return (LearnableFakeData(options.fake_samples, **shape),
-                LearnableFakeData(max(options.fake_samples // 4, 1), **shape, first_index=options.fake_samples))
-    if options.data == "cifar10":
-        normalize = transforms.Compose([transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
-        augment = transforms.Compose([transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(),
-                                      normalize])
-        run_once_per_node(env, device, lambda: datasets.CIFAR10(options.data_dir, download=True),
-                          what=f"downloading CIFAR-10 into {options.data_dir}")
-        return (datasets.CIFAR10(options.data_dir, train=True, transform=augment),
-                datasets.CIFAR10(options.data_dir, train=False, transform=normalize))
-    size = options.image_size
-    augment = transforms.Compose([transforms.RandomResizedCrop(size), transforms.RandomHorizontalFlip(),
-                                  transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
-    evaluate = transforms.Compose([transforms.Resize(size), transforms.CenterCrop(size),
-                                   transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
-    root = Path(options.data_dir)
-    return (datasets.ImageFolder(root / "train", transform=augment),
-            datasets.ImageFolder(root / "val", transform=evaluate))
-
-
-def check_data_source(options: TrainOptions) -> None:
-    """Fail early, with what to do, when --data-dir cannot hold the chosen dataset."""
-    if options.data != "imagefolder":
-        return
-    root = Path(options.data_dir)
-    for split in ("train", "val"):
-        folder = root / split
-        if not folder.is_dir() or not any(child.is_dir() for child in folder.iterdir()):
-            raise UsageError(
-                f"--data-dir {root}: expected class folders in {folder} "
-                f"({folder}/<class>/<image>.jpg) for --data imagefolder")
-
-
 def detach_from_job_signals(worker_id: int) -> None:
     """DataLoader workers leave the training process's process group, so the SIGTERM or Ctrl-C that torchrun
     (which signals its workers' groups) or a terminal sends the group does not reach them: the training
@@ -213,12 +147,17 @@ def build_loaders(train_set: Dataset, eval_set: Dataset, options: TrainOptions, 
     return train_loader, eval_loader
 
 
-def to_device(images: torch.Tensor, labels: torch.Tensor, device: torch.device,
-              channels_last: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """non_blocking: from pinned loader memory the host only queues the copy and goes on queueing the step's
+def to_device(batch, device: torch.device, channels_last: bool = False):
+    """A batch (a tensor, or a tuple / list / dict of them) on the device; 4-d tensors (images) channels-last
+    when asked.
+
+    non_blocking: from pinned loader memory the host only queues the copy and goes on queueing the step's
     kernels. On the GPU the copy runs in order on the compute stream, between the previous step's kernels and
     this one's; a prefetch on a side stream would hide it too, worth it only where copies are a visible part
     of a step (large images, a small model)."""
-    memory_format = torch.channels_last if channels_last else torch.contiguous_format
-    return (images.to(device, non_blocking=True, memory_format=memory_format),
-            labels.to(device, non_blocking=True))
+    if isinstance(batch, torch.Tensor):
+        memory_format = torch.channels_last if channels_last and batch.dim() == 4 else torch.contiguous_format
+        return batch.to(device, non_blocking=True, memory_format=memory_format)
+    if isinstance(batch, dict):
+        return {key: to_device(value, device, channels_last) for key, value in batch.items()}
+    return type(batch)(to_device(value, device, channels_last) for value in batch)

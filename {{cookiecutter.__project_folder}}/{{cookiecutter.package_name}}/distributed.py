@@ -1,8 +1,9 @@
 """Everything torchrun and torch.distributed: read the launch environment once, pick device and backend,
 start and tear down the process group, and reduce numbers across ranks.
 
-Nothing else in the project reads os.environ or calls torch.distributed directly, except parallel.py, which
-wraps the model for data parallelism.
+Nothing else in the project reads os.environ or calls torch.distributed's collectives directly; parallel.py
+wraps the model (DDP, FSDP2), watchdog.py opens a store connection of its own, and checkpoint/sharded.py
+hands FSDP2's shards to torch.distributed.checkpoint.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import contextlib
 import os
 import signal
 import socket
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -20,7 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .errors import UsageError
+from .options import UsageError
 
 # What torchrun sets for every worker. Either all of these are present or none (plain `python train.py`).
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -99,7 +101,8 @@ def select_device(requested: str, env: DistEnv) -> torch.device:
     if env.local_rank >= torch.cuda.device_count():
         raise UsageError(
             f"LOCAL_RANK={env.local_rank} but only {torch.cuda.device_count()} CUDA devices are visible; "
-            "start at most that many processes per node (--nproc-per-node / NPROC_PER_NODE)")
+            "start at most that many processes per node (--nproc-per-node / NPROC_PER_NODE)",
+            same_on_every_rank=False)
     return torch.device("cuda", env.local_rank)
 
 
@@ -233,19 +236,30 @@ def listening(host: str, port: int) -> bool:
         return False
 
 
+def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """Reduce across ranks in place with op "sum", "max" or "min"; returns the tensor for chaining."""
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+    return tensor
+
+
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum across ranks, in place; returns the tensor for chaining."""
-    if dist.is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
+    return all_reduce(tensor, "sum")
+
+
+def all_gather_objects(value) -> list:
+    """Every rank's value of a picklable object, in rank order, on every rank."""
+    if not dist.is_initialized():
+        return [value]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 def all_reduce_int(value: int, device: torch.device, op: str) -> int:
     """An integer reduced over ranks with op "sum", "max" or "min" (every rank gets the result)."""
-    tensor = torch.tensor([value], dtype=torch.int64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
-    return int(tensor.item())
+    return int(all_reduce(torch.tensor([value], dtype=torch.int64, device=device), op).item())
 
 
 def barrier(device: torch.device) -> None:
@@ -266,6 +280,15 @@ def broadcast_object(value, source_rank: int = 0):
     holder = [value]
     dist.broadcast_object_list(holder, src=source_rank)
     return holder[0]
+
+
+def from_first_rank_with(value, device: torch.device):
+    """The value of the lowest-numbered rank where it is not None (None if it is None everywhere)."""
+    if not dist.is_initialized():
+        return value
+    world_size = dist.get_world_size()
+    source = all_reduce_int(dist.get_rank() if value is not None else world_size, device, "min")
+    return None if source == world_size else broadcast_object(value, source_rank=source)
 
 
 # Exit status after a clean stop on SIGTERM: the shell's "terminated by SIGTERM", so a scheduler or torchrun
@@ -306,11 +329,48 @@ def run_once_per_node(env: DistEnv, device: torch.device, action: Callable[[], N
     A failure is shared with every rank, so all of them stop with the same error instead of the others
     hanging in a barrier until the timeout.
     """
-    failure = ""
+    failure = None
     if env.is_local_main_process:
         try:
             action()
         except Exception as error:  # noqa: BLE001 - reported on every rank below
             failure = f"{what} failed on node {env.node_rank}: {error}"
-    if all_reduce_int(1 if failure else 0, device, "max"):
-        raise UsageError(failure or f"{what} failed; see the error from local rank 0 of the node that failed")
+    failure = from_first_rank_with(failure, device)  # every rank gets the first failing node's message
+    if failure:
+        raise UsageError(failure)
+
+
+def stop_job_for_usage_error(error: UsageError, env: DistEnv | None) -> None:
+    """Report a usage error once per job and end the job, instead of once per rank per attempt.
+
+    torchrun restarts the whole worker group whenever a worker exits non-zero (up to --max-restarts times), and
+    offers no exit status that means "do not restart": a bad flag on 2 ranks with 3 restarts printed its line 8
+    times and took 16 s (issue 12). An error found identically on every rank is printed by rank 0 alone, and
+    the first rank of every machine ends its torchrun agent with SIGKILL: a killed agent starts nothing more
+    and prints nothing (after SIGTERM it prints a 30-line traceback of its own). The job's exit status is then
+    137 ("killed"), and the one line above it says why. An error only some ranks see (same_on_every_rank=False),
+    or a launcher that is not torchrun, gets the plain behaviour: every rank that has it prints it and exits 1.
+    """
+    uniform = env is not None and error.same_on_every_rank
+    if not uniform or env.is_main_process:
+        prefix = "" if uniform or env is None or env.world_size == 1 else f"[rank {env.rank}] "
+        sys.stderr.write(f"{prefix}error: {error}\n")  # one write, so lines from several ranks do not interleave
+        sys.stderr.flush()
+    agent = os.getppid()
+    if not (uniform and env.launched_by_torchrun and is_torchrun(agent)):
+        sys.exit(1)
+    if env.is_local_main_process:
+        os.kill(agent, signal.SIGKILL)
+    deadline = time.monotonic() + 10  # the other ranks wait for the agent to be gone, lest it restart them
+    while os.getppid() == agent and time.monotonic() < deadline:
+        time.sleep(0.02)
+    sys.exit(1)
+
+
+def is_torchrun(pid: int) -> bool:
+    """Whether a process is torchrun's agent (torchrun, python -m torch.distributed.run, run_node.sh's exec)."""
+    try:
+        command = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ")
+    except OSError:  # not Linux, or gone
+        return False
+    return b"torchrun" in command or b"torch.distributed.run" in command

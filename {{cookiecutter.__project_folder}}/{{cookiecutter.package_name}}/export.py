@@ -5,7 +5,7 @@
     python -m {{ cookiecutter.package_name }}.export checkpoints model.pt              # the newest in a --ckpt-dir
 
 One process, no GPU or torchrun needed. Load the result with
-    model = build_model(name, num_classes); model.load_state_dict(torch.load("model.pt", weights_only=True))
+    model = task.build_model(options, train_set); model.load_state_dict(torch.load("model.pt", weights_only=True))
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from .checkpoint import list_checkpoints
-from .sharded_checkpoint import list_sharded_checkpoints, missing_pieces
+from .checkpoint import list_checkpoints, list_sharded_checkpoints, missing_pieces
 
 
 def newest_checkpoint(ckpt_dir: Path) -> Path:

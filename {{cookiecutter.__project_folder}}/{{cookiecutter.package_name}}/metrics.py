@@ -1,10 +1,12 @@
-"""Measuring a run: loss (averaged over ranks), lr, throughput, step time, time spent waiting for data,
-memory; shown as log lines or a progress bar, and written by rank 0 to metrics.jsonl and TensorBoard."""
+"""Measuring a run: loss (averaged over ranks), gradient norm, lr, throughput in the task's unit, step time,
+time spent waiting for data, memory, model FLOPs utilisation; the held-out evaluation (sums reduced over
+ranks); shown as log lines or a progress bar, and written by rank 0 to metrics.jsonl and TensorBoard."""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import sys
 import time
@@ -13,14 +15,84 @@ from pathlib import Path
 
 import torch
 
-from .distributed import DistEnv, mean_across_ranks
-from .options import TrainOptions
+from .distributed import (
+    DistEnv,
+    all_reduce_int,
+    all_reduce_sum,
+    backend_for,
+    from_first_rank_with,
+    mean_across_ranks,
+)
+from .optim import MixedPrecision
+from .options import TrainOptions, UsageError
+from .parallel import forward_is_collective, sync_buffers_from_main
 
 log = logging.getLogger("train")
 
+# Dense bf16 peak FLOP/s per GPU, for model FLOPs utilisation (MFU); a GPU not listed gets no MFU figure.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "L4": 121e12}
 
-def build_meter(options: TrainOptions, env: DistEnv, device: torch.device, total_steps: int,
-                done_steps: int) -> TrainingMeter:
+
+def setup_logging(env: DistEnv) -> None:
+    """INFO on rank 0 only; other ranks report warnings and errors, prefixed with their rank."""
+    prefix = "" if env.is_main_process else f"[rank {env.rank}] "
+    logging.basicConfig(
+        level=logging.INFO if env.is_main_process else logging.WARNING,
+        format=f"%(asctime)s.%(msecs)03d {prefix}%(message)s", datefmt="%H:%M:%S", force=True,
+    )
+
+
+def describe_job(env: DistEnv, device: torch.device) -> str:
+    return (f"world_size={env.world_size} nodes={env.num_nodes} ranks_per_node={env.local_world_size} "
+            f"backend={backend_for(device)} device={device} run_id={env.run_id} restart={env.restart_count}")
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader, device: torch.device, amp: MixedPrecision, task,
+             max_batches: int | None = None) -> dict[str, float]:
+    """task.summarize of task.evaluation_sums added up over the held-out split and over ranks (not a mean of
+    per-rank means, which is wrong when shards differ in size). Forwards run under training's autocast: as
+    fast as training's, and the numbers are those of the model as trained. max_batches=1 is the check before
+    training starts: a bug in the evaluation path shows at step 0, not after hours of training."""
+    sync_buffers_from_main(model)  # every rank evaluates with the same BatchNorm statistics
+    was_training = model.training
+    model.eval()
+    batches = len(loader) if max_batches is None else min(len(loader), max_batches)
+    lockstep = forward_is_collective(model)
+    if lockstep:
+        # FSDP2 all-gathers inside forward, so every rank must run as many forwards. Shards differ by up to one
+        # sample, so batch counts may too: agree on the most first (a collective, so before any forward), and
+        # a rank with fewer batches repeats its last one, uncounted.
+        most = all_reduce_int(batches, device, "max")
+        if all_reduce_int(batches, device, "min") == 0 < most:
+            raise UsageError("the held-out split has fewer samples than there are ranks; use more data")
+    names, totals, inputs = None, None, None
+    for index, (inputs, targets) in enumerate(loader):
+        if index == batches:
+            break
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        with amp.autocast():
+            outputs = model(inputs)
+        sums = task.evaluation_sums(outputs, targets)
+        values = torch.stack([torch.as_tensor(value, device=device).double() for value in sums.values()])
+        names, totals = list(sums), values if totals is None else totals + values
+    if lockstep:
+        for _ in range(most - batches):
+            with amp.autocast():
+                model(inputs)
+    model.train(was_training)
+    # Every rank joins the reduction, also one without held-out batches, so all must agree on the names.
+    names = from_first_rank_with(names, device) or [task.THROUGHPUT_UNIT]
+    if totals is None:
+        totals = torch.zeros(len(names), device=device, dtype=torch.float64)
+    sums = dict(zip(names, all_reduce_sum(totals).tolist(), strict=True))
+    if sums.get(task.THROUGHPUT_UNIT, 0) == 0:
+        return {"loss": math.nan, task.THROUGHPUT_UNIT: 0}
+    return task.summarize(sums)
+
+
+def build_meter(options: TrainOptions, env: DistEnv, device: torch.device, total_steps: int, done_steps: int,
+                unit: str = "samples", flops_per_unit: float | None = None) -> TrainingMeter:
     """The run's meter: metrics files with --log-dir and a progress bar on a terminal, both on rank 0 only."""
     metrics_log = None
     if options.log_dir and env.is_main_process:
@@ -28,7 +100,12 @@ def build_meter(options: TrainOptions, env: DistEnv, device: torch.device, total
     # A bar for people watching a terminal; plain log lines for files, CI and schedulers.
     show_bar = options.progress_bar if options.progress_bar is not None else sys.stderr.isatty()
     progress_bar = ProgressBar(env.is_main_process and show_bar, total_steps, done_steps)
-    return TrainingMeter(device, options.log_every, metrics_log, progress_bar)
+    peak = None
+    if device.type == "cuda" and flops_per_unit:
+        name = torch.cuda.get_device_name(device)
+        peak = next((flops for gpu, flops in PEAK_BF16_FLOPS.items() if gpu in name), None)
+    return TrainingMeter(device, options.log_every, metrics_log, progress_bar, unit=unit,
+                         flops_per_unit=flops_per_unit, peak_flops=peak * env.world_size if peak else None)
 
 
 class MetricsLog:
@@ -108,7 +185,11 @@ class TrainingMeter:
     host sync per step. Call `update` for every micro-batch and `end_step` after every optimizer step."""
 
     def __init__(self, device: torch.device, log_every: int, metrics_log: MetricsLog | None,
-                 progress_bar: ProgressBar):
+                 progress_bar: ProgressBar, unit: str = "samples", flops_per_unit: float | None = None,
+                 peak_flops: float | None = None):
+        self.unit = unit  # what throughput counts: samples, tokens (task.THROUGHPUT_UNIT)
+        self.flops_per_unit = flops_per_unit
+        self.peak_flops = peak_flops  # of all ranks together
         self.device = device
         self.log_every = log_every
         self.metrics_log = metrics_log
@@ -117,6 +198,7 @@ class TrainingMeter:
 
     def reset(self) -> None:
         self.loss_sum = torch.zeros((), device=self.device)
+        self.grad_norm_sum = torch.zeros((), device=self.device)
         self.micro_batches = 0
         self.steps = 0
         self.samples = 0
@@ -138,12 +220,16 @@ class TrainingMeter:
             self.data_wait += time.perf_counter() - waiting_since
             yield batch
 
-    def update(self, loss: torch.Tensor, global_micro_batch_size: int) -> None:
+    def update(self, loss: torch.Tensor, global_units: int) -> None:
+        """After every micro-batch: its loss and how many units (samples, tokens) all ranks trained on."""
         self.loss_sum += loss.detach()
         self.micro_batches += 1
-        self.samples += global_micro_batch_size
+        self.samples += global_units
 
-    def end_step(self, step: int, epoch: int, lr: float) -> None:
+    def end_step(self, step: int, epoch: int, lr: float, grad_norm: torch.Tensor) -> None:
+        """After every optimizer step, with the gradient norm before clipping (the same on every rank)."""
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: DTensor
+        self.grad_norm_sum += grad_norm.detach().float()
         self.steps += 1
         self.last_step_end = time.perf_counter()
         self.progress_bar.update()
@@ -154,25 +240,33 @@ class TrainingMeter:
         """Log the mean loss over ranks and micro-batches since the last line (a collective)."""
         loss = mean_across_ranks(self.loss_sum / max(self.micro_batches, 1))
         elapsed = time.perf_counter() - self.started - self.paused
-        row = {"loss": loss, "lr": lr, "samples_per_sec": self.samples / elapsed,
-               "step_time_s": elapsed / max(self.steps, 1), "data_wait_frac": self.data_wait / elapsed}
+        rate = self.samples / elapsed
+        row = {"loss": loss, "grad_norm": self.grad_norm_sum.item() / max(self.steps, 1), "lr": lr,
+               f"{self.unit}_per_sec": rate, "step_time_s": elapsed / max(self.steps, 1),
+               "data_wait_frac": self.data_wait / elapsed}
+        extra = ""
         if self.device.type == "cuda":
             row["max_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        if self.peak_flops:
+            row["mfu"] = self.flops_per_unit * rate / self.peak_flops
+            extra = f" | mfu {100 * row['mfu']:.1f}%"
         if self.progress_bar.bar is not None:
-            self.progress_bar.show(f"loss {loss:.4f}, {row['samples_per_sec']:.1f} samples/s")
+            self.progress_bar.show(f"loss {loss:.4f}, {rate:.1f} {self.unit}/s")
         else:
-            log.info("step %d | epoch %d | loss %.4f | lr %.2e | %.1f samples/s | %.3f s/step | data wait %.0f%%",
-                     step, epoch, loss, lr, row["samples_per_sec"], row["step_time_s"], 100 * row["data_wait_frac"])
+            log.info("step %d | epoch %d | loss %.4f | grad norm %.3f | lr %.2e | %.1f %s/s | %.3f s/step | "
+                     "data wait %.0f%%%s", step, epoch, loss, row["grad_norm"], lr, rate, self.unit,
+                     row["step_time_s"], 100 * row["data_wait_frac"], extra)
         if self.metrics_log is not None:
             self.metrics_log.write("train", step, row)
         self.reset()
 
-    def log_evaluation(self, step: int, epoch: int, result: tuple[float, float, int]) -> None:
-        loss, accuracy, samples = result
-        log.info("step %d | epoch %d | eval loss %.4f | accuracy %.3f on %d held-out samples",
-                 step, epoch, loss, accuracy, samples)
+    def log_evaluation(self, step: int, epoch: int, metrics: dict[str, float]) -> None:
+        """One line and one row of whatever task.summarize returned, e.g. eval loss 0.51 | accuracy 0.83."""
+        shown = " | ".join(f"{name} {value:.4f}" for name, value in metrics.items() if name != self.unit)
+        log.info("step %d | epoch %d | eval %s on %d held-out %s", step, epoch, shown,
+                 metrics.get(self.unit, 0), self.unit)
         if self.metrics_log is not None:
-            self.metrics_log.write("eval", step, {"loss": loss, "accuracy": accuracy, "samples": samples})
+            self.metrics_log.write("eval", step, metrics)
         self.paused += time.perf_counter() - max(self.last_step_end, self.started)
 
     def close(self) -> None:

@@ -12,7 +12,24 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Literal
 
-from .errors import UsageError
+
+class UsageError(Exception):
+    """Bad input (a flag, a path, the launch environment): reported as one line, never a traceback.
+
+    Most are found identically on every rank (the same flags and checks), and one rank reports them for the
+    whole job; same_on_every_rank=False marks one that only some ranks see, which each of them reports."""
+
+    def __init__(self, message: str, same_on_every_rank: bool = True):
+        super().__init__(message)
+        self.same_on_every_rank = same_on_every_rank
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that raises UsageError instead of printing its usage and exiting, so a bad flag is reported
+    once per job like any other usage error, not by every rank of every attempt."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message}; see python train.py --help")
 
 
 def option(default, help: str):  # noqa: A002 - mirrors argparse's keyword
@@ -22,21 +39,45 @@ def option(default, help: str):  # noqa: A002 - mirrors argparse's keyword
 
 @dataclass
 class TrainOptions:
-    data: Literal["fake", "cifar10", "imagefolder"] = option(
-        "fake", "dataset: fake (generated, learnable), cifar10 (downloaded to --data-dir), "
-        "imagefolder (--data-dir/train/<class>/*.jpg and --data-dir/val/<class>/*.jpg)")
+{%- if cookiecutter.task == "image_classification" %}
+    # What is trained (task.py): any --data / --model name registered there.
+    data: str = option(
+        "fake", "a dataset registered in task.py: fake (generated, learnable), cifar10 (downloaded to "
+        "--data-dir), imagefolder (--data-dir/train/<class>/*.jpg and --data-dir/val/<class>/*.jpg)")
     data_dir: str = option("data", "where cifar10 is downloaded, or the imagefolder root")
     fake_samples: int = option(2048, "size of the fake training set (the held-out set is a quarter of it)")
-    model: str = option("resnet18", "any torchvision classification model name (e.g. resnet50), or small_cnn "
-                        "(a quick CPU model whose gradients do not depend on the batch)")
+    model: str = option("resnet18", "a model registered in task.py: any torchvision classification model name "
+                        "(e.g. resnet50), or small_cnn (a quick CPU model whose gradients do not depend on the batch)")
     image_size: int = option(32, "images are resized (imagefolder) or generated (fake) at this side length")
-    num_classes: int = option(10, "classes of the classifier head (cifar10 has 10)")
+    num_classes: int = option(10, "outputs of the model's head (cifar10 has 10 classes)")
+{%- else %}
+    # What is trained (task.py): any --data / --model name registered there.
+    data: str = option(
+        "fake", "a dataset registered in task.py: fake (generated sentences, learnable), text (bytes of "
+        "--data-dir/train.txt and val.txt, or of input.txt split 90/10), tokens (nanoGPT's uint16 "
+        "--data-dir/train.bin and val.bin)")
+    data_dir: str = option("data", "the folder with the text corpus or the token files")
+    fake_samples: int = option(2048, "sequences in the fake training set (the held-out set is a quarter of it)")
+    model: str = option("gpt", "a model registered in task.py: gpt (a decoder-only transformer)")
+    block_size: int = option(128, "context length in tokens; a training sample is one block")
+    vocab_size: int | None = option(None, "tokens in the vocabulary (default: 256 for fake and text, which are "
+                                    "bytes; 50304 for tokens, GPT-2's 50257 padded)")
+    n_layer: int = option(4, "transformer blocks")
+    n_head: int = option(4, "attention heads per block")
+    n_embd: int = option(128, "width of the residual stream")
+    dropout: float = option(0.0, "dropout probability in attention and MLP outputs")
+{%- endif %}
     epochs: int = option(10, "passes over the training set")
     max_steps: int | None = option(
         None, "stop after this many optimizer steps in total (default: no limit); the lr schedule still spans "
         "--epochs, so a run stopped here and restarted with a larger value continues unchanged")
+{%- if cookiecutter.task == "image_classification" %}
     batch_size: int = option(64, "samples per rank per step; the global batch is this times the world size")
-    lr: float = option(0.01, "peak learning rate of SGD with momentum 0.9")
+    lr: float = option(0.01, "peak learning rate (SGD with momentum 0.9; task.py builds the optimizer)")
+{%- else %}
+    batch_size: int = option(16, "sequences per rank per step; the global batch is this times the world size")
+    lr: float = option(1e-3, "peak learning rate (AdamW; task.py builds the optimizer)")
+{%- endif %}
     lr_schedule: Literal["cosine", "constant"] = option(
         "cosine", "after warmup: cosine decay to 0 at the end of --epochs, or constant")
     warmup_steps: int | None = option(None, "optimizer steps of linear warmup (default: 5%% of --epochs)")
@@ -81,13 +122,11 @@ class TrainOptions:
 
     def check(self) -> None:
         """Reject values that cannot work, each with what to do instead."""
-        at_least_one = ["fake_samples", "image_size", "epochs", "batch_size", "ckpt_every",
+        at_least_one = ["epochs", "batch_size", "ckpt_every",
                         "keep_checkpoints", "log_every", "grad_accum"]
         for name in at_least_one:
             if getattr(self, name) < 1:
                 raise UsageError(f"--{flag(name)} must be >= 1, got {getattr(self, name)}")
-        if self.num_classes < 2:
-            raise UsageError(f"--num-classes must be >= 2, got {self.num_classes}")
         if self.max_steps is not None and self.max_steps < 1:
             raise UsageError(f"--max-steps must be >= 1 (or left out for no limit), got {self.max_steps}")
         if self.eval_every < 0:
@@ -128,8 +167,8 @@ class DefaultsOnceFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description="Train an image classifier; launch with torchrun or run_node.sh (see train.py).",
+    parser = ArgumentParser(
+        description="Train a model (task.py); launch with torchrun or run_node.sh (see train.py).",
         formatter_class=DefaultsOnceFormatter,
     )
     hints = typing.get_type_hints(TrainOptions)

@@ -18,23 +18,16 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 
-from .distributed import DistEnv, distributed_session, select_device
-from .errors import UsageError
+from .distributed import DistEnv, all_gather_objects, all_reduce, distributed_session, select_device
+from .options import UsageError
 from .parallel import wrap_model
 
 SLOW_RANK_FACTOR = 2.0  # a rank whose all-reduce takes this many times the median is flagged
 
 
-def gather(value) -> list:
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
-
-
 def check_rank_map(env: DistEnv) -> tuple[bool, str]:
-    places = gather((env.rank, env.local_rank, env.node_rank, env.local_world_size, socket.gethostname()))
+    places = all_gather_objects((env.rank, env.local_rank, env.node_rank, env.local_world_size, socket.gethostname()))
     problems = []
     if sorted(place[0] for place in places) != list(range(env.world_size)):
         problems.append("global ranks are not 0..world_size-1 exactly once")
@@ -50,44 +43,44 @@ def check_rank_map(env: DistEnv) -> tuple[bool, str]:
     return not problems, "; ".join(problems) or f"{env.world_size} ranks on {len(nodes)} nodes ({', '.join(hosts)})"
 
 
-def check_devices(device: torch.device) -> tuple[bool, str]:
+def check_devices(env: DistEnv, device: torch.device) -> tuple[bool, str]:
     usable = True
     try:
         torch.ones(1, device=device).add_(1)
     except RuntimeError:
         usable = False
-    reports = gather((dist.get_rank(), str(device), usable))
+    reports = all_gather_objects((env.rank, str(device), usable))
     broken = [f"rank {rank} ({name})" for rank, name, ok in reports if not ok]
     devices = sorted({name for _, name, _ in reports})
     return not broken, (f"unusable: {', '.join(broken)}" if broken else f"all usable: {', '.join(devices)}")
 
 
-def check_all_reduce_result(device: torch.device) -> tuple[bool, str]:
-    world_size = dist.get_world_size()
-    values = torch.full((1024,), float(dist.get_rank() + 1), device=device)
-    dist.all_reduce(values)
+def check_all_reduce_result(env: DistEnv, device: torch.device) -> tuple[bool, str]:
+    world_size = env.world_size
+    values = all_reduce(torch.full((1024,), float(env.rank + 1), device=device))
     expected = world_size * (world_size + 1) / 2
     correct = bool(torch.all(values == expected).item())
     return correct, f"sum over ranks = {values[0].item():g}, expected {expected:g}"
 
 
-def measure_all_reduce_bandwidth(device: torch.device, megabytes: int, repeats: int) -> tuple[bool, str, list]:
+def measure_all_reduce_bandwidth(env: DistEnv, device: torch.device, megabytes: int,
+                                 repeats: int) -> tuple[bool, str, list]:
     """Bus bandwidth per rank (the nccl-tests convention: 2 (W-1)/W bytes moved per byte reduced)."""
-    world_size = dist.get_world_size()
+    world_size = env.world_size
     tensor = torch.ones(megabytes * 2**20 // 4, device=device)
-    dist.all_reduce(tensor)  # warm-up: connections and buffers
+    all_reduce(tensor)  # warm-up: connections and buffers
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         started = time.perf_counter()
-        dist.all_reduce(tensor)
+        all_reduce(tensor)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - started)
     seconds = statistics.median(times)
     bus_gb_per_s = 2 * (world_size - 1) / world_size * tensor.numel() * 4 / seconds / 1e9
-    per_rank = gather((dist.get_rank(), seconds, bus_gb_per_s))
+    per_rank = all_gather_objects((env.rank, seconds, bus_gb_per_s))
     median_seconds = statistics.median(entry[1] for entry in per_rank)
     slow = [rank for rank, took, _ in per_rank if took > SLOW_RANK_FACTOR * median_seconds]
     summary = ", ".join(f"rank {rank}: {rate:.2f} GB/s" for rank, _, rate in per_rank)
@@ -97,8 +90,8 @@ def measure_all_reduce_bandwidth(device: torch.device, megabytes: int, repeats: 
     return not slow, detail, per_rank
 
 
-def check_training_steps(device: torch.device, steps: int = 3) -> tuple[bool, str]:
-    torch.manual_seed(dist.get_rank())  # different data per rank, as in training
+def check_training_steps(env: DistEnv, device: torch.device, steps: int = 3) -> tuple[bool, str]:
+    torch.manual_seed(env.rank)  # different data per rank, as in training
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)).to(device)
     ddp_model = wrap_model(model, device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -111,9 +104,7 @@ def check_training_steps(device: torch.device, steps: int = 3) -> tuple[bool, st
         optimizer.step()
         losses.append(loss.item())
     checksum = torch.cat([parameter.detach().flatten() for parameter in model.parameters()]).sum()
-    highest, lowest = checksum.clone(), checksum.clone()
-    dist.all_reduce(highest, op=dist.ReduceOp.MAX)
-    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+    highest, lowest = all_reduce(checksum.clone(), "max"), all_reduce(checksum.clone(), "min")
     identical = bool(highest == lowest)
     finite = all(torch.isfinite(torch.tensor(losses)))
     return identical and finite, (f"{steps} DDP steps, losses {', '.join(f'{loss:.3f}' for loss in losses)}, "
@@ -123,10 +114,10 @@ def check_training_steps(device: torch.device, steps: int = 3) -> tuple[bool, st
 def run_checks(env: DistEnv, device: torch.device, megabytes: int, repeats: int) -> bool:
     results = [
         ("rank map", *check_rank_map(env)),
-        ("devices", *check_devices(device)),
-        ("all-reduce result", *check_all_reduce_result(device)),
-        ("all-reduce bandwidth", *measure_all_reduce_bandwidth(device, megabytes, repeats)[:2]),
-        ("training steps", *check_training_steps(device)),
+        ("devices", *check_devices(env, device)),
+        ("all-reduce result", *check_all_reduce_result(env, device)),
+        ("all-reduce bandwidth", *measure_all_reduce_bandwidth(env, device, megabytes, repeats)[:2]),
+        ("training steps", *check_training_steps(env, device)),
     ]
     if env.is_main_process:
         for name, passed, detail in results:

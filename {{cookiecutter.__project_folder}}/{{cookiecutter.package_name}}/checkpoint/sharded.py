@@ -8,11 +8,9 @@ and DCP has written the folder's .metadata, so a crash mid-save never leaves a f
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import shutil
-import time
 import uuid
 from dataclasses import asdict
 from pathlib import Path
@@ -21,14 +19,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from .checkpoint import check_resumed_options, checkpoint_mismatch, elect_writers, fsync_directory
-from .distributed import DistEnv, barrier, broadcast_object
-from .errors import UsageError
-from .parallel import sync_buffers_from_main
-from .progress import TrainingProgress
-from .reproducibility import gather_cuda_rng_states, restore_cuda_rng_state
+from ..distributed import barrier, broadcast_object
+from ..options import UsageError
+from ..reproducibility import gather_cuda_rng_states
+from .common import Checkpointer, TrainingProgress, elect_writers, fsync_directory, log
 
-log = logging.getLogger(__name__)
 CHECKPOINT_FOLDER = re.compile(r"step-(\d+)")
 OPTIONS_FILE = "options.json"  # the TrainOptions the run had, beside DCP's files
 
@@ -59,23 +54,17 @@ def missing_pieces(folder: Path) -> str | None:
     return None
 
 
-class ShardedCheckpointer:
-    """Saving and resuming for FSDP2, with the same rules as Checkpointer: newest valid step-<N>/ wins,
+class ShardedCheckpointer(Checkpointer):
+    """Saving and resuming for FSDP2, with the same rules as the replicated kind: newest valid step-<N>/ wins,
     incomplete ones are skipped with a warning, newest --keep-checkpoints are kept.
 
     Every rank holds only its shards, so every rank writes; --ckpt-dir must be one folder all nodes share.
     """
 
-    def __init__(self, ckpt_dir: str, keep: int, env: DistEnv, device: torch.device, *, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, **components):
-        self.ckpt_dir = Path(ckpt_dir)
-        self.keep = keep
-        self.env = env
-        self.device = device
-        self.model = model
-        self.optimizer = optimizer
-        self.components = components  # lr schedule, gradient scaler: small, saved as plain objects
-        self.last_saved_step: int | None = None
+    restored_by_read = frozenset({"model", "optimizer"})  # set_state_dict places the shards
+
+    def __init__(self, options, env, device, **components):
+        super().__init__(options, env, device, **components)
         _, storages = elect_writers(self.ckpt_dir, env, device)
         if storages > 1:
             raise UsageError(f"--ckpt-dir {self.ckpt_dir} is a different folder on each node, but --strategy "
@@ -87,36 +76,30 @@ class ShardedCheckpointer:
                 log.warning("removed %s, left by a save that was interrupted", leftover)
         barrier(device)
 
-    def _state(self) -> dict:
+    def _state(self, progress: TrainingProgress, world_size: int) -> dict:
         # get_state_dict: parameter names without wrapper prefixes, optimizer state keyed by those names (not
         # by position), each rank's tensors only its shards, as DTensors DCP knows how to place.
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        model_state, optimizer_state = get_state_dict(self.components["model"], self.components["optimizer"])
         # The CPU generator is the same on every rank; the CUDA ones differ, so all ranks' are saved (a collective).
         return {"model": model_state, "optimizer": optimizer_state, "torch_rng_state": torch.get_rng_state(),
                 "cuda_rng_states": gather_cuda_rng_states(self.env, self.device),
-                **{name: component.state_dict() for name, component in self.components.items()}}
+                "progress": {**asdict(progress), "world_size": world_size},
+                **{name: component.state_dict() for name, component in self.components.items()
+                   if name not in self.restored_by_read}}  # lr schedule, gradient scaler: small, plain objects
 
-    def save(self, progress: TrainingProgress) -> None:
-        if progress.step == self.last_saved_step:
-            return
-        self.last_saved_step = progress.step
-        started = time.perf_counter()
-        sync_buffers_from_main(self.model)
-        state = {**self._state(), "progress": {**asdict(progress), "world_size": self.env.world_size}}
+    def write(self, progress: TrainingProgress) -> Path | None:
         final = self.ckpt_dir / f"step-{progress.step}"
         partial = self.ckpt_dir / f".step-{progress.step}.partial"
-        dcp.save(state, checkpoint_id=partial)  # returns on every rank once all shards and .metadata are written
+        dcp.save(self._state(progress, self.env.world_size), checkpoint_id=partial)  # all shards and .metadata
         if self.env.is_main_process:
             (partial / OPTIONS_FILE).write_text(json.dumps(asdict(self.options), indent=1))
             publish(partial, final)
             for _, old in list_sharded_checkpoints(self.ckpt_dir)[self.keep:]:
                 shutil.rmtree(old, ignore_errors=True)
-            log.info("saved %s in %.2f s", final, time.perf_counter() - started)
         barrier(self.device)
+        return final if self.env.is_main_process else None
 
-    def resume(self) -> TrainingProgress:
-        """Load the newest complete step-<N>/ into model, optimizer and the rest, resharding if the world
-        size changed (a collective)."""
+    def find_newest(self) -> tuple[Path, dict | None] | None:
         candidates = []
         if self.env.is_main_process:
             for _, folder in list_sharded_checkpoints(self.ckpt_dir):
@@ -126,29 +109,16 @@ class ShardedCheckpointer:
                     candidates.append(folder)
         candidates = broadcast_object(candidates)
         if not candidates:
-            log.info("no valid checkpoint in %s; starting from scratch", self.ckpt_dir)
-            return TrainingProgress()
-        folder = candidates[0]
-        saved_options = folder / OPTIONS_FILE
-        check_resumed_options(json.loads(saved_options.read_text()) if saved_options.exists() else None,
-                              self.options, folder)
-        state = {**self._state(), "progress": {**asdict(TrainingProgress()), "world_size": 0}}  # shape to fill
-        try:
-            dcp.load(state, checkpoint_id=folder)  # into this rank's shards, from whichever ranks saved them
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optimizer"])
-        except (RuntimeError, ValueError, KeyError) as error:
-            raise checkpoint_mismatch(folder, error) from None
-        for name, component in self.components.items():
-            component.load_state_dict(state[name])
-        torch.set_rng_state(state["torch_rng_state"])
-        restore_cuda_rng_state(state["cuda_rng_states"], self.env, self.device)
-        saved = state["progress"]
-        progress = TrainingProgress(saved["step"], saved["epoch"], saved["samples_in_epoch"])
-        self.last_saved_step = progress.step
-        log.info("resuming from %s (step %d, epoch %d, %d samples into the epoch, saved by %d ranks)",
-                 folder, progress.step, progress.epoch, progress.samples_in_epoch, saved["world_size"])
-        return progress
+            return None
+        saved_options = candidates[0] / OPTIONS_FILE
+        return candidates[0], json.loads(saved_options.read_text()) if saved_options.exists() else None
+
+    def read(self, source: Path) -> dict:
+        state = self._state(TrainingProgress(), world_size=0)  # the shape to fill
+        dcp.load(state, checkpoint_id=source)  # into this rank's shards, from whichever ranks saved them
+        set_state_dict(self.components["model"], self.components["optimizer"], model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        return state
 
 
 def publish(partial: Path, final: Path) -> None:

@@ -1,0 +1,133 @@
+"""task=language_model, with numbers: a byte-level GPT trains on a local text file (loss falls, every held-out
+token counted once), resumes bit for bit after kill -9, and under FSDP2 reads nanoGPT's uint16 token files,
+resumes on another world size with every training block seen exactly once, and exports one plain .pt file."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import run, tool_env, wait_for, worker_pids
+
+BLOCK = 32
+TRAIN_BLOCKS, HELD_OUT_BLOCKS = 128, 20
+# 2 ranks x 4 blocks: 16 steps an epoch.
+TINY = ["--block-size", str(BLOCK), "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--device", "cpu",
+        "--num-workers", "0", "--lr", "1e-2", "--warmup-steps", "2", "--log-every", "4", "--ckpt-every", "4",
+        "--keep-checkpoints", "100"]
+
+
+def corpus(blocks: int, seed: int) -> bytes:
+    """Text a byte-level model learns quickly: numbered lines of a few words."""
+    words = ["alpha", "beta", "gamma", "delta", "epsilon"]
+    generator = np.random.default_rng(seed)
+    lines = "".join(f"{index} {words[generator.integers(5)]} {words[generator.integers(5)]}.\n"
+                    for index in range(blocks * BLOCK))
+    return lines.encode()[:blocks * BLOCK + 1]
+
+
+@pytest.fixture(scope="module")
+def text_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("text")
+    (folder / "train.txt").write_bytes(corpus(TRAIN_BLOCKS, seed=0))
+    (folder / "val.txt").write_bytes(corpus(HELD_OUT_BLOCKS, seed=1))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def lm_project(bake) -> Path:
+    return bake(task="language_model", project_name="LM Training")
+
+
+def torchrun_command(nproc: int, *args: str, max_restarts: int = 0) -> list[str]:
+    return ["torchrun", "--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", "train.py",
+            *TINY, *args]
+
+
+def launch(project: Path, nproc: int, *args: str) -> subprocess.CompletedProcess:
+    result = run(torchrun_command(nproc, *args), cwd=project)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(lm_project, text_dir, tmp_path_factory) -> tuple[Path, str]:
+    ckpt_dir = tmp_path_factory.mktemp("lm-uninterrupted")
+    result = launch(lm_project, 2, "--data", "text", "--data-dir", str(text_dir), "--batch-size", "4",
+                    "--max-steps", "16", "--ckpt-dir", str(ckpt_dir))
+    return ckpt_dir, result.stderr
+
+
+def test_language_model_trains_on_a_text_file(uninterrupted):
+    _, output = uninterrupted
+    losses = {int(step): float(loss) for step, loss in re.findall(r"step (\d+) \| epoch \d+ \| loss ([\d.]+)", output)}
+    assert sorted(losses) == [4, 8, 12, 16], output
+    assert losses[16] < 0.7 * losses[4], losses  # from ln(256) = 5.5 towards the corpus's entropy
+    assert re.search(r"\d+\.\d tokens/s", output), output
+    # The whole held-out split, every token once, however the 2 ranks split it.
+    evaluation = re.search(r"step 16 \| epoch \d \| eval loss ([\d.]+) \| perplexity ([\d.]+) on (\d+) held-out tokens",
+                           output)
+    assert evaluation, output
+    assert int(evaluation[3]) == HELD_OUT_BLOCKS * BLOCK
+    assert float(evaluation[2]) == pytest.approx(np.exp(float(evaluation[1])), rel=1e-3)
+
+
+def test_language_model_resumes_bitwise_after_kill_9(lm_project, text_dir, uninterrupted, tmp_path):
+    reference, _ = uninterrupted
+    command = torchrun_command(2, "--data", "text", "--data-dir", str(text_dir), "--batch-size", "4",
+                               "--max-steps", "16", "--ckpt-dir", str(tmp_path), max_restarts=1)
+    launcher = subprocess.Popen(command, cwd=lm_project, env=tool_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    wait_for(tmp_path / "step-8.pt", launcher)
+    os.kill(worker_pids(launcher)[-1], signal.SIGKILL)
+    output = launcher.communicate(timeout=300)[0]
+    assert launcher.returncode == 0, output
+    assert "restart=1" in output and "resuming from" in output
+    resumed = torch.load(tmp_path / "step-16.pt", weights_only=True)
+    expected = torch.load(reference / "step-16.pt", weights_only=True)
+    assert resumed["model"].keys() == expected["model"].keys()
+    for name, tensor in expected["model"].items():
+        assert torch.equal(resumed["model"][name], tensor), f"model tensor {name} differs"
+    for index, buffers in expected["optimizer"]["state"].items():
+        for name, tensor in buffers.items():
+            assert torch.equal(resumed["optimizer"]["state"][index][name], tensor), f"optimizer {index}.{name}"
+
+
+def test_fsdp2_token_files_resume_on_another_world_size_and_export(bake, text_dir, tmp_path):
+    project = bake(task="language_model", strategy="fsdp2", project_name="LM FSDP")
+    tokens = tmp_path / "tokens"
+    tokens.mkdir()
+    for split, name in (("train", "train.txt"), ("val", "val.txt")):  # nanoGPT's format: uint16 token ids
+        np.frombuffer((text_dir / name).read_bytes(), dtype=np.uint8).astype(np.uint16).tofile(tokens / f"{split}.bin")
+    data = ["--data", "tokens", "--data-dir", str(tokens), "--vocab-size", "256",
+            "--sample-log", str(tmp_path / "samples"), "--ckpt-dir", str(tmp_path / "ckpt")]
+    first = launch(project, 2, *data, "--batch-size", "4", "--max-steps", "8")
+    assert re.search(r"fsdp2: 3 groups", first.stderr), first.stderr  # one per block (2), and the root
+    # Half the epoch on 2 ranks of 4 blocks, the other half on 1 rank of 8: the same 8 blocks a step.
+    second = launch(project, 1, *data, "--batch-size", "8", "--max-steps", "16")
+    assert f"resuming from {tmp_path / 'ckpt' / 'step-8'}" in second.stderr, second.stderr
+    assert "on 640 held-out tokens" in second.stderr, second.stderr
+    seen = [int(line) for log in (tmp_path / "samples").glob("rank-*.txt") for line in log.read_text().split()]
+    assert sorted(seen) == list(range(TRAIN_BLOCKS)), "every training block exactly once in the epoch"
+
+    exported = tmp_path / "model.pt"
+    result = run(["python", "-m", "lm_fsdp.export", str(tmp_path / "ckpt"), str(exported)], cwd=project)
+    assert result.returncode == 0, result.stderr
+    weights = torch.load(exported, weights_only=True)
+    assert weights["token_embedding.weight"].shape == (256, 32)
+    assert sum("blocks." in name for name in weights) > 0 and not any(n.startswith("module.") for n in weights)
+
+
+def test_language_model_project_is_lint_clean_and_its_smoke_tests_pass(lm_project):
+    lint = run(["ruff", "check", "."], cwd=lm_project)
+    assert lint.returncode == 0, lint.stdout
+    smoke = run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=lm_project, timeout=600)
+    assert smoke.returncode == 0, smoke.stdout + smoke.stderr
+    assert re.search(r"\b3 passed\b", smoke.stdout), smoke.stdout  # with task.py's SMOKE_TEST_ARGS

@@ -1,0 +1,82 @@
+"""task.py is the one file a user edits: the README's regression diff applies to a baked project, trains on a CSV
+on 2 ranks and leaves the project's own smoke tests passing; names say where to register them; a bug in the
+evaluation path shows before the first step; a usage error is printed once per job and torchrun does not
+restart it."""
+
+from __future__ import annotations
+
+import random
+import re
+import shutil
+from pathlib import Path
+
+from conftest import run
+
+
+def readme_block(project: Path, language: str, section: str = "## Make it yours") -> str:
+    text = (project / "README.md").read_text()
+    text = text[text.index(section):]
+    return re.search(rf"```{language}\n(.*?)```", text, re.DOTALL)[1]
+
+
+def write_table(path: Path, rows: int, seed: int) -> None:
+    generator = random.Random(seed)
+    lines = ["rooms,area,age,price"]
+    for _ in range(rows):
+        rooms, area, age = generator.uniform(1, 6), generator.uniform(0.3, 2), generator.uniform(0, 1)
+        lines.append(f"{rooms:.3f},{area:.3f},{age:.3f},{0.5 * rooms + 2 * area - age + generator.gauss(0, 0.05):.3f}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_readme_regression_diff_is_the_whole_change(bake, tmp_path):
+    project = bake(project_name="House Prices")
+    (tmp_path / "regression.diff").write_text(readme_block(project, "diff"))
+    patched = run(["patch", "-p1", "-i", str(tmp_path / "regression.diff")], cwd=project)
+    assert patched.returncode == 0, patched.stdout + patched.stderr
+    assert "house_prices/task.py" in patched.stdout, "one file changes"
+    lint = run(["ruff", "check", "."], cwd=project)
+    assert lint.returncode == 0, lint.stdout
+
+    (project / "tables").mkdir()
+    write_table(project / "tables" / "train.csv", 600, seed=0)
+    write_table(project / "tables" / "val.csv", 150, seed=1)
+    command = next(line for line in readme_block(project, "bash").splitlines() if "./run_node.sh" in line)
+    result = run(["bash", "-c", command], cwd=project)  # exactly as the README has it
+    assert result.returncode == 0, result.stderr[-4000:]
+    evaluations = re.findall(r"eval loss ([\d.]+) \| mean_absolute_error ([\d.]+) on 150 held-out samples",
+                             result.stderr)
+    assert len(evaluations) == 20, result.stderr  # one per epoch, every held-out row counted once
+    assert float(evaluations[-1][1]) < 0.2 < float(evaluations[0][1]), evaluations
+
+    smoke = run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=project, timeout=600)
+    assert smoke.returncode == 0, smoke.stdout + smoke.stderr
+    assert re.search(r"\b3 passed\b", smoke.stdout), smoke.stdout
+
+
+def test_an_unknown_name_says_which_file_and_function_to_edit(default_project, tmp_path):
+    result = run(["python", "train.py", "--data", "csv", "--ckpt-dir", str(tmp_path)], cwd=default_project)
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        "error: --data 'csv' is not registered; known: cifar10, fake, imagefolder. To add it, register a "
+        "builder with @register_dataset('csv') in ddp_training/task.py"], result.stderr
+
+
+def test_a_bug_in_evaluation_shows_before_the_first_step(default_project, tmp_path):
+    project = shutil.copytree(default_project, tmp_path / "project")
+    task = project / "ddp_training" / "task.py"
+    task.write_text(task.read_text().replace('sums["correct"]', 'sums["corect"]'))  # a typo a user might make
+    result = run(["torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=0", "train.py",
+                  "--model", "small_cnn", "--image-size", "16", "--num-workers", "0", "--ckpt-dir", str(tmp_path)],
+                 cwd=project)
+    assert result.returncode != 0
+    assert "KeyError: 'corect'" in result.stderr, result.stderr[-3000:]
+    assert "| loss " not in result.stderr, "no training step before the evaluation path has run once"
+
+
+def test_a_usage_error_is_printed_once_per_job_and_not_restarted(default_project, tmp_path):
+    result = run(["torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=3", "train.py",
+                  "--model", "nope", "--ckpt-dir", str(tmp_path)], cwd=default_project)
+    assert result.returncode != 0
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: --model 'nope' is not a torchvision classification"), \
+        result.stdout + result.stderr

@@ -1,0 +1,192 @@
+"""What both kinds of checkpoint share: where training stands (TrainingProgress), the checks on --ckpt-dir and
+on options changed since the checkpoint, one writer per storage, durable renames, and the save / resume
+protocol of a Checkpointer (its subclasses write and read the files)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..distributed import DistEnv, all_reduce_int, barrier, broadcast_object
+from ..options import TrainOptions, UsageError, flag
+from ..parallel import sync_buffers_from_main
+from ..reproducibility import restore_cuda_rng_state
+
+log = logging.getLogger("{{ cookiecutter.package_name }}.checkpoint")
+
+
+@dataclass
+class TrainingProgress:
+    """Where training stands: what a resumed run needs besides weights and optimizer state."""
+
+    step: int = 0  # optimizer steps completed
+    epoch: int = 0
+    samples_in_epoch: int = 0  # global samples (all ranks) of this epoch already trained on
+
+    def advance(self, global_batch_size: int) -> None:
+        self.step += 1
+        self.samples_in_epoch += global_batch_size
+
+    def finished(self, epochs: int, max_steps: int | None) -> bool:
+        return self.epoch >= epochs or (max_steps is not None and self.step >= max_steps)
+
+    def next_epoch(self) -> None:
+        self.epoch += 1
+        self.samples_in_epoch = 0
+
+
+def check_checkpoint_dir(ckpt_dir: str) -> None:
+    """Create --ckpt-dir and prove it is writable, so a bad path fails now and not after hours of training."""
+    try:
+        Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=ckpt_dir):
+            pass
+    except OSError as error:
+        raise UsageError(f"--ckpt-dir {ckpt_dir} cannot be written ({error.strerror}); choose another folder") from None
+
+
+def fsync_directory(folder: Path) -> None:
+    """Make a rename into `folder` durable, not just the renamed file's contents."""
+    directory = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def checkpoint_mismatch(path: Path, error: Exception) -> UsageError:
+    """The one line for a checkpoint that loads but does not fit what this run built."""
+    first_line = str(error).strip().splitlines()[0]
+    return UsageError(f"{path} does not fit this model or optimizer ({first_line}); "
+                      "use another --ckpt-dir, or the options it was trained with")
+
+
+# Options a checkpoint cannot be resumed under once changed: its tensors would not fit them.
+FIXED_UNDER_A_CHECKPOINT = ("model", "num_classes", "vocab_size", "block_size", "n_layer", "n_head", "n_embd")
+# What a changed option does to a resumed run, where that is not plain from its --help.
+EFFECT_OF_CHANGING = {
+    "epochs": "the LR schedule is re-planned over the new --epochs from this step on",
+    "lr": "the LR schedule continues from this step towards the new peak",
+    "lr_schedule": "the new schedule applies from this step on",
+    "warmup_steps": "the LR schedule is re-planned from this step on",
+    "seed": "the rest of this epoch and later epochs draw another sample order",
+    "batch_size": "this epoch continues with its unseen samples, in batches of the new size",
+    "grad_accum": "this epoch continues with its unseen samples, in steps of the new size",
+}
+# Expected to change between runs of one job; not worth a line.
+CHANGED_BY_EVERY_RESUME = ("max_steps", "ckpt_dir")
+
+
+def check_resumed_options(saved: dict | None, options: TrainOptions, source: Path) -> None:
+    """Stop on a changed option the checkpoint cannot take; log the others in one line with their effect."""
+    if not saved:  # a checkpoint from before options were recorded
+        return
+    current = asdict(options)
+    changed = [name for name, value in current.items()
+               if name in saved and saved[name] != value and name not in CHANGED_BY_EVERY_RESUME]
+    fixed = [name for name in changed if name in FIXED_UNDER_A_CHECKPOINT]
+    if fixed:
+        was = ", ".join(f"--{flag(name)} {saved[name]}" for name in fixed)
+        asked = ", ".join(f"--{flag(name)} {current[name]}" for name in fixed)
+        raise UsageError(f"{source} was trained with {was}, but this run asks for {asked}; "
+                         "resume with the same values, or start a new run with another --ckpt-dir")
+    if changed:
+        log.info("resuming with changed options: %s", "; ".join(
+            f"--{flag(name)} {saved[name]} -> {current[name]}"
+            + (f" ({EFFECT_OF_CHANGING[name]})" if name in EFFECT_OF_CHANGING else "") for name in changed))
+
+
+def elect_writers(ckpt_dir: Path, env: DistEnv, device: torch.device) -> tuple[bool, int]:
+    """(is this rank a writer, how many writers): one per distinct storage behind --ckpt-dir.
+
+    The first rank of every node leaves a probe file; a node writes only if no lower-numbered node's
+    probe is visible to it, i.e. it is the first node on its storage. A collective: call on every rank.
+    """
+    token = broadcast_object(uuid.uuid4().hex if env.is_main_process else None)
+    probe = ckpt_dir / f".writer-probe-{token}-node{env.node_rank}"
+    if env.is_local_main_process:
+        probe.touch()
+    barrier(device)
+    is_writer = False
+    if env.is_local_main_process:
+        visible = [int(path.name.rsplit("node", 1)[1]) for path in ckpt_dir.glob(f".writer-probe-{token}-*")]
+        is_writer = min(visible) == env.node_rank
+    barrier(device)
+    if env.is_local_main_process:
+        probe.unlink()
+    writers = all_reduce_int(int(is_writer), device, "sum")
+    return is_writer, writers
+
+
+class Checkpointer:
+    """Saving and resuming, whichever files hold the state. `components` are what a checkpoint holds besides
+    progress: anything with state_dict/load_state_dict (model, optimizer, lr schedule, gradient scaler). Add
+    yours where train.py calls build_checkpointer.
+
+    A subclass writes one step (`write`) and finds and reads the newest valid one (`find_newest`, `read`);
+    saving once per step, the order of restoring and the log lines are here."""
+
+    def __init__(self, options: TrainOptions, env: DistEnv, device: torch.device, **components):
+        self.options = options  # recorded in every checkpoint, compared on resume
+        self.ckpt_dir = Path(options.ckpt_dir)
+        self.keep = options.keep_checkpoints
+        self.env = env
+        self.device = device
+        self.components = components
+        self.last_saved_step: int | None = None
+
+    def save(self, progress: TrainingProgress) -> None:
+        """A collective: every rank saves at the same steps."""
+        if progress.step == self.last_saved_step:  # e.g. the final save right after a periodic one
+            return
+        self.last_saved_step = progress.step
+        started = time.perf_counter()
+        sync_buffers_from_main(self.components["model"])  # one canonical copy of BatchNorm statistics
+        written = self.write(progress)
+        if written is not None:
+            log.info("saved %s in %.2f s", written, time.perf_counter() - started)
+
+    def resume(self) -> TrainingProgress:
+        """Load the newest valid checkpoint into the components (a collective); a fresh start if none."""
+        newest = self.find_newest()
+        if newest is None:
+            log.info("no valid checkpoint in %s; starting from scratch", self.ckpt_dir)
+            return TrainingProgress()
+        source, saved_options = newest
+        check_resumed_options(saved_options, self.options, source)
+        try:
+            state = self.read(source)
+            for name in self.components.keys() - self.restored_by_read:
+                self.components[name].load_state_dict(state[name])
+        except (RuntimeError, ValueError, KeyError) as error:
+            raise checkpoint_mismatch(source, error) from None
+        torch.set_rng_state(state["torch_rng_state"])
+        restore_cuda_rng_state(state.get("cuda_rng_states"), self.env, self.device)
+        saved = state["progress"]
+        progress = TrainingProgress(saved["step"], saved["epoch"], saved["samples_in_epoch"])
+        self.last_saved_step = progress.step
+        log.info("resuming from %s (step %d, epoch %d, %d samples into the epoch, saved by %d ranks)",
+                 source, progress.step, progress.epoch, progress.samples_in_epoch, saved["world_size"])
+        return progress
+
+    restored_by_read: frozenset[str] = frozenset()  # components read() restores itself
+
+    def write(self, progress: TrainingProgress) -> Path | None:
+        """Write this step (a collective); returns what was written, on the rank that logs it."""
+        raise NotImplementedError
+
+    def find_newest(self) -> tuple[Path, dict | None] | None:
+        """(checkpoint, the options it recorded) of the newest valid one, the same on every rank."""
+        raise NotImplementedError
+
+    def read(self, source: Path) -> dict:
+        """The state of `source`: each component's state_dict, torch_rng_state, cuda_rng_states, and progress
+        (step, epoch, samples_in_epoch, world_size)."""
+        raise NotImplementedError

@@ -1,0 +1,133 @@
+"""DDP checkpoints: <ckpt-dir>/step-<N>.pt, written atomically, found newest-valid-first, loaded weights-only."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from ..distributed import all_reduce_int, broadcast_object
+from ..reproducibility import gather_cuda_rng_states
+from .common import Checkpointer, TrainingProgress, elect_writers, fsync_directory, log
+
+CHECKPOINT_NAME = re.compile(r"step-(\d+)\.pt")
+
+
+def checkpoint_path(ckpt_dir: Path, step: int) -> Path:
+    return ckpt_dir / f"step-{step}.pt"
+
+
+def save_checkpoint_atomically(state: dict, path: Path) -> None:
+    """Write to a temporary file in the same folder, fsync, then rename over the final name.
+
+    A crash at any point leaves either the previous checkpoint set or the new file complete, never a
+    truncated step-N.pt. The temporary name does not match step-<N>.pt, so it is never loaded.
+    """
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as file:
+            torch.save(state, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    fsync_directory(path.parent)
+
+
+def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every step-<N>.pt, newest first."""
+    found = []
+    for path in ckpt_dir.glob("step-*.pt"):
+        match = CHECKPOINT_NAME.fullmatch(path.name)
+        if match:
+            found.append((int(match[1]), path))
+    return sorted(found, reverse=True)
+
+
+REQUIRED_KEYS = {"model", "optimizer", "step", "epoch", "samples_in_epoch", "torch_rng_state"}
+
+
+def load_newest_valid(ckpt_dir: Path, required_keys: set[str] = REQUIRED_KEYS) -> tuple[Path, dict] | None:
+    """The newest checkpoint that loads and is complete; bad ones are skipped with a warning naming them."""
+    for step, path in list_checkpoints(ckpt_dir):
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            missing = required_keys - set(state)
+            if missing or state["step"] != step:
+                raise ValueError(f"missing {sorted(missing)}" if missing else f"holds step {state['step']}")
+            return path, state
+        except Exception as error:  # noqa: BLE001 - any unreadable file is skipped, loudly
+            log.warning("skipping unreadable checkpoint %s (%s: %s)", path, type(error).__name__, error)
+    return None
+
+
+def delete_old_checkpoints(ckpt_dir: Path, keep: int) -> None:
+    for _, path in list_checkpoints(ckpt_dir)[keep:]:
+        path.unlink(missing_ok=True)
+
+
+def training_state(components: dict, progress: TrainingProgress, world_size: int) -> dict:
+    """Only tensors and primitives, so it loads with weights_only=True."""
+    return {
+        # "model" is the unwrapped model: no "module." or "_orig_mod." prefix.
+        **{name: component.state_dict() for name, component in components.items()},
+        **asdict(progress),
+        "world_size": world_size,
+        "torch_rng_state": torch.get_rng_state(),
+    }
+
+
+class ReplicatedCheckpointer(Checkpointer):
+    """Saving and resuming for a data-parallel job, whether or not --ckpt-dir is shared between nodes.
+
+    DDP keeps every replica's parameters identical and buffers are synced from rank 0 before saving, so one
+    copy is the whole state. On a shared filesystem rank 0 alone writes it; on node-local disks the first rank
+    of each node writes its node's copy, because after a restart rank 0 may land on another machine.
+    Resuming, the ranks agree on the newest valid step any node holds and the rank that holds it broadcasts it.
+    """
+
+    def __init__(self, options, env, device, **components):
+        super().__init__(options, env, device, **components)
+        self.required_keys = REQUIRED_KEYS | set(components)
+        self.is_writer, writers = elect_writers(self.ckpt_dir, env, device)
+        log.info("checkpoints in %s, written by %d %s", self.ckpt_dir, writers,
+                 "node (shared folder)" if writers == 1 else "nodes (node-local folders)")
+        if self.is_writer:
+            # Only this rank writes here, and it is not saving yet: any temporary file is a dead save's.
+            for leftover in self.ckpt_dir.glob(".step-*.pt.*.tmp"):
+                leftover.unlink(missing_ok=True)
+                log.warning("removed %s, left by a save that was interrupted", leftover)
+        self._newest_state: dict | None = None
+
+    def write(self, progress: TrainingProgress) -> Path | None:
+        cuda_rng_states = gather_cuda_rng_states(self.env, self.device)  # each rank's own, a collective
+        if not self.is_writer:
+            return None
+        path = checkpoint_path(self.ckpt_dir, progress.step)
+        state = training_state(self.components, progress, self.env.world_size)
+        save_checkpoint_atomically({**state, "cuda_rng_states": cuda_rng_states,
+                                    "options": asdict(self.options)}, path)
+        delete_old_checkpoints(self.ckpt_dir, self.keep)
+        return path
+
+    def find_newest(self) -> tuple[Path, dict | None] | None:
+        newest = load_newest_valid(self.ckpt_dir, self.required_keys) if self.is_writer else None
+        own_step = newest[1]["step"] if newest else -1
+        best_step = all_reduce_int(own_step, self.device, "max")
+        if best_step < 0:
+            return None
+        # The lowest rank holding the newest step sends it; with a shared folder that is rank 0.
+        source = all_reduce_int(self.env.rank if own_step == best_step else self.env.world_size, self.device, "min")
+        path, self._newest_state = broadcast_object(newest if self.env.rank == source else None, source_rank=source)
+        return path, self._newest_state.get("options")
+
+    def read(self, source: Path) -> dict:
+        state = self._newest_state
+        self._newest_state = None
+        return {**state, "progress": state}  # a flat file: step, epoch, samples_in_epoch, world_size at the top
