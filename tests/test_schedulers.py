@@ -106,6 +106,7 @@ SlurmdPort=16818
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+AuthInfo=cred_expire=10
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool
 SlurmctldPidFile={root}/slurmctld.pid
@@ -195,19 +196,19 @@ def test_a_slurm_job_sent_sigterm_saves_requeues_itself_and_resumes_bitwise(
     for pid in held:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
-    ended_at = None  # a job that requeues itself passes through FAILED for a moment
+    ended_at = pending_since = None  # a job that requeues itself passes through FAILED for a moment
     while (state := job_state(job_id, environment))["JobState"] != "COMPLETED":
         if state["JobState"] in ("RUNNING", "PENDING", "REQUEUED", "COMPLETING"):
             ended_at = None
         else:
             ended_at = ended_at or time.monotonic()
             assert time.monotonic() - ended_at < 10, (state, log.read_text())
-        script_done = subprocess.run(["pgrep", "-f", f"job{int(job_id):05d}/slurm_script"],
-                                     capture_output=True).returncode != 0
-        if state["JobState"] == "PENDING" and state.get("Reason") == "BeginTime" and script_done:
-            # Slurm holds a requeued job for about two minutes; start it now rather than wait (once the
-            # first run's batch script has exited, or its exit status would be taken for the second run's).
+        pending_since = (pending_since or time.monotonic()) if state["JobState"] == "PENDING" else None
+        if state.get("Reason") == "BeginTime" and pending_since and time.monotonic() - pending_since > 12:
+            # A requeued job waits out the old credential (cred_expire, 10 s here, 120 s by default) and then
+            # the next scheduling pass (up to a minute): start it as soon as it may start.
             subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=environment, check=True)
+            pending_since = None
         assert time.monotonic() < deadline + 180, log.read_text()
         time.sleep(0.5)
     output = log.read_text()  # --open-mode=append: both runs of the job
