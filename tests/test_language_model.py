@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run, tool_env, wait_for, worker_pids
+from conftest import paused, run, tool_env, wait_for
+
+pytestmark = pytest.mark.slow  # torchrun jobs: `make test-fast` leaves these out
 
 BLOCK = 32
 TRAIN_BLOCKS, HELD_OUT_BLOCKS = 128, 20
@@ -86,7 +88,8 @@ def test_language_model_resumes_bitwise_after_kill_9(lm_project, text_dir, unint
     launcher = subprocess.Popen(command, cwd=lm_project, env=tool_env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
     wait_for(tmp_path / "step-8.pt", launcher)
-    os.kill(worker_pids(launcher)[-1], signal.SIGKILL)
+    with paused(launcher) as workers:
+        os.kill(workers[-1], signal.SIGKILL)
     output = launcher.communicate(timeout=300)[0]
     assert launcher.returncode == 0, output
     assert "restart=1" in output and "resuming from" in output

@@ -10,6 +10,8 @@ import re
 import shutil
 from pathlib import Path
 
+import pytest
+
 from conftest import run
 
 
@@ -28,6 +30,7 @@ def write_table(path: Path, rows: int, seed: int) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+@pytest.mark.slow
 def test_readme_regression_diff_is_the_whole_change(bake, tmp_path):
     project = bake(project_name="House Prices")
     (tmp_path / "regression.diff").write_text(readme_block(project, "diff"))
@@ -61,6 +64,7 @@ def test_an_unknown_name_says_which_file_and_function_to_edit(default_project, t
         "builder with @register_dataset('csv') in ddp_training/task.py"], result.stderr
 
 
+@pytest.mark.slow
 def test_a_bug_in_evaluation_shows_before_the_first_step(default_project, tmp_path):
     project = shutil.copytree(default_project, tmp_path / "project")
     task = project / "ddp_training" / "task.py"
@@ -73,6 +77,7 @@ def test_a_bug_in_evaluation_shows_before_the_first_step(default_project, tmp_pa
     assert "| loss " not in result.stderr, "no training step before the evaluation path has run once"
 
 
+@pytest.mark.slow
 def test_a_usage_error_is_printed_once_per_job_and_not_restarted(default_project, tmp_path):
     result = run(["torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=3", "train.py",
                   "--model", "nope", "--ckpt-dir", str(tmp_path)], cwd=default_project)
