@@ -211,6 +211,9 @@ def test_a_stopped_rank_is_named_and_the_job_resumes_bitwise(default_project, un
     assert launcher.returncode == 0, output
     assert "[rank 0] no progress for 3 s in training step" in output and "waiting for other ranks" in output
     assert "HANG: rank(s) 1 stopped making progress (1 sent no report: stopped, or frozen)" in output, output
+    # Ended by rank 0 on this machine at once: torchrun would SIGKILL it only after 30 s.
+    assert f"[rank 0] rank 1 (process {stopped} on this machine) sent no report: ended with SIGKILL" in output
+    assert "forcefully exiting via 9" not in output, output
     assert "restart=1" in output and "resuming from" in output
     assert_bitwise_equal(checkpoint(tmp_path, 40), checkpoint(uninterrupted_bare, 40))
 

@@ -16,6 +16,7 @@ import logging
 import os
 import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -55,6 +56,11 @@ class Watchdog:
         self._longest_step = 0.0
         self._main_thread = threading.main_thread().ident
         self._store_address = store_address
+        if store_address is not None:  # where this process is, so a live rank can end it should it freeze
+            store = dist.TCPStore(store_address.host, store_address.port, is_master=False,
+                                  timeout=timedelta(seconds=30))
+            store.set(f"ddp-template/process/{env.rank}", process_identity(os.getpid()))
+            del store  # closed before DataLoader workers fork
         # The C-level handler writes the signal number here even while the main thread is blocked in C++.
         self._wakeup_read, wakeup_write = os.pipe()
         os.set_blocking(wakeup_write, False)
@@ -142,6 +148,21 @@ class Watchdog:
         except Exception as error:  # noqa: BLE001 - the stack above is the report; this is extra
             return f"(no NCCL flight record: {type(error).__name__}: {error})\n"
 
+    def _end_frozen_ranks_on_this_machine(self, store: dist.Store, silent: list[int]) -> None:
+        """A rank that sent no report is stopped or frozen: SIGTERM cannot move it, so torchrun would SIGKILL
+        it only after its shutdown timeout (30 s on the restart path). End it now if it runs here."""
+        for rank in silent:
+            key = f"ddp-template/process/{rank}"
+            if not store.check([key]):
+                continue
+            identity = store.get(key).decode()
+            pid = int(identity.split()[1])
+            if "unknown" not in identity and process_identity(pid) == identity:  # here, and not a reused pid
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                    sys.stderr.write(f"[rank {self.env.rank}] rank {rank} (process {pid} on this machine) sent no "
+                                     "report: ended with SIGKILL, which is all a stopped process answers\n")
+
     def _share_and_summarize(self, report: dict) -> None:
         if self._store_address is None:
             return
@@ -152,9 +173,10 @@ class Watchdog:
         time.sleep(3)  # the other live ranks time out at about the same moment
         reports = {rank: json.loads(store.get(f"{prefix}{rank}")) for rank in range(self.env.world_size)
                    if store.check([f"{prefix}{rank}"])}
+        silent = [rank for rank in range(self.env.world_size) if rank not in reports]
+        self._end_frozen_ranks_on_this_machine(store, silent)
         if min(reports) != self.env.rank:
             return  # the lowest live rank writes the summary
-        silent = [rank for rank in range(self.env.world_size) if rank not in reports]
         not_waiting = [rank for rank, seen in reports.items() if not seen["waiting_for_others"]]
         stopped = silent + not_waiting
         where = "; ".join(f"rank {rank}: step {seen['step']}, {seen['phase']}, "
@@ -166,3 +188,13 @@ class Watchdog:
         sys.stderr.write(f"HANG: {culprit}. Where each rank was: {where}. Stacks above; exiting so torchrun "
                          "restarts the group from the last checkpoint.\n")
         sys.stderr.flush()
+
+
+def process_identity(pid: int) -> str:
+    """"host pid start-time": names one process on one machine, even after its pid is reused (Linux; elsewhere
+    the start time is unknown and the identity never matches another process's)."""
+    try:
+        started = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        started = "unknown"
+    return f"{socket.gethostname()} {pid} {started}"
