@@ -32,6 +32,46 @@ THROUGHPUT_UNIT = "samples"
 # smoke tests still pass after you change this file.
 SMOKE_TEST_ARGS = ["--data", "fake", "--fake-samples", "512", "--image-size", "16", "--batch-size", "16",
                    "--model", "resnet18", "--num-workers", "0", "--device", "cpu", "--lr", "0.005"]
+{%- else -%}
+"""What is trained: the datasets, the model, the loss, the evaluation metrics and the unit of throughput.
+
+This is the one file to edit to train something else; train.py, checkpoints, FSDP2, resuming and logging
+work unchanged. Register a dataset with @register_dataset("name") and a model with @register_model("name"):
+the name is then accepted by --data / --model. A batch is (inputs, targets); train.py computes
+
+    loss = compute_loss(model(inputs), targets)
+
+for training, and evaluation uses the same compute_loss (evaluation_sums below).
+
+Here: a decoder-only transformer (GPT) learns to predict the next token. Text is read as bytes (a vocabulary
+of 256, nothing to download); for large corpora, tokenize once into nanoGPT's format, uint16 token ids in
+--data-dir/train.bin and val.bin, and train with --data tokens.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from .distributed import DistEnv
+from .options import TrainOptions, UsageError
+
+# Throughput is logged as <unit>/s, and the held-out count as "on N held-out <unit>".
+THROUGHPUT_UNIT = "tokens"
+# The tests in tests/ train with these (plus --ckpt-dir, --max-steps ...): keep them tiny and learnable, so the
+# smoke tests still pass after you change this file.
+SMOKE_TEST_ARGS = ["--data", "fake", "--fake-samples", "256", "--block-size", "32", "--n-layer", "2",
+                   "--n-head", "2", "--n-embd", "64", "--batch-size", "8", "--num-workers", "0", "--device", "cpu",
+                   "--lr", "3e-3"]
+{%- endif %}
 
 DatasetBuilder = Callable[[TrainOptions, DistEnv, torch.device], tuple[Dataset, Dataset]]
 ModelBuilder = Callable[[TrainOptions, Dataset], nn.Module]
@@ -55,6 +95,7 @@ def register_model(name: str) -> Callable[[ModelBuilder], ModelBuilder]:
     return register
 
 
+{% if cookiecutter.task == "image_classification" -%}
 # ---- data --------------------------------------------------------------------------------------------------
 
 # Per-channel statistics of CIFAR-10; close enough for natural images in general.
@@ -205,76 +246,7 @@ def unknown_name(kind: str, name: str, registry: dict, decorator: str) -> str:
             else f"known: {', '.join(known[:8])}{', ...' if len(known) > 8 else ''}.")
     return (f"--{kind} {name!r} is not registered; {hint} To add it, register a builder with "
             f"@{decorator}({name!r}) in {__name__.replace('.', '/')}.py")
-
-
-def build_datasets(options: TrainOptions, env: DistEnv, device: torch.device) -> tuple[Dataset, Dataset]:
-    return DATASETS[options.data](options, env, device)
-
-
-def build_model(options: TrainOptions, train_set: Dataset) -> nn.Module:
-    return MODELS[options.model](options, train_set)
 {%- else -%}
-"""What is trained: the datasets, the model, the loss, the evaluation metrics and the unit of throughput.
-
-This is the one file to edit to train something else; train.py, checkpoints, FSDP2, resuming and logging
-work unchanged. Register a dataset with @register_dataset("name") and a model with @register_model("name"):
-the name is then accepted by --data / --model. A batch is (inputs, targets); train.py computes
-
-    loss = compute_loss(model(inputs), targets)
-
-for training, and evaluation uses the same compute_loss (evaluation_sums below).
-
-Here: a decoder-only transformer (GPT) learns to predict the next token. Text is read as bytes (a vocabulary
-of 256, nothing to download); for large corpora, tokenize once into nanoGPT's format, uint16 token ids in
---data-dir/train.bin and val.bin, and train with --data tokens.
-"""
-
-from __future__ import annotations
-
-import difflib
-import math
-from collections.abc import Callable
-from pathlib import Path
-
-import numpy as np
-import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import Dataset
-
-from .distributed import DistEnv
-from .options import TrainOptions, UsageError
-
-# Throughput is logged as <unit>/s, and the held-out count as "on N held-out <unit>".
-THROUGHPUT_UNIT = "tokens"
-# The tests in tests/ train with these (plus --ckpt-dir, --max-steps ...): keep them tiny and learnable, so the
-# smoke tests still pass after you change this file.
-SMOKE_TEST_ARGS = ["--data", "fake", "--fake-samples", "256", "--block-size", "32", "--n-layer", "2",
-                   "--n-head", "2", "--n-embd", "64", "--batch-size", "8", "--num-workers", "0", "--device", "cpu",
-                   "--lr", "3e-3"]
-
-DatasetBuilder = Callable[[TrainOptions, DistEnv, torch.device], tuple[Dataset, Dataset]]
-ModelBuilder = Callable[[TrainOptions, Dataset], nn.Module]
-DATASETS: dict[str, DatasetBuilder] = {}  # --data name -> builder of (train, held-out)
-MODELS: dict[str, ModelBuilder] = {}  # --model name -> builder
-
-
-def register_dataset(name: str) -> Callable[[DatasetBuilder], DatasetBuilder]:
-    """Register a builder of (train, held-out) datasets under a --data name."""
-    def register(builder: DatasetBuilder) -> DatasetBuilder:
-        DATASETS[name] = builder
-        return builder
-    return register
-
-
-def register_model(name: str) -> Callable[[ModelBuilder], ModelBuilder]:
-    """Register a model builder under a --model name; it sees the options and the training set."""
-    def register(builder: ModelBuilder) -> ModelBuilder:
-        MODELS[name] = builder
-        return builder
-    return register
-
-
 # ---- data --------------------------------------------------------------------------------------------------
 
 class TokenBlocks(Dataset):
@@ -503,6 +475,7 @@ def unknown_name(kind: str, name: str, registry: dict, decorator: str) -> str:
     hint = f"did you mean {', '.join(close)}?" if close else f"known: {', '.join(sorted(registry))}."
     return (f"--{kind} {name!r} is not registered; {hint} To add it, register a builder with "
             f"@{decorator}({name!r}) in {__name__.replace('.', '/')}.py")
+{%- endif %}
 
 
 def build_datasets(options: TrainOptions, env: DistEnv, device: torch.device) -> tuple[Dataset, Dataset]:
@@ -511,4 +484,3 @@ def build_datasets(options: TrainOptions, env: DistEnv, device: torch.device) ->
 
 def build_model(options: TrainOptions, train_set: Dataset) -> nn.Module:
     return MODELS[options.model](options, train_set)
-{%- endif %}
