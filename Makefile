@@ -29,8 +29,12 @@ demo: $(INSTALLED)
 	cd $(DEMO_PROJECT) && PATH="$(BIN):$$PATH" NPROC_PER_NODE=2 ./run_node.sh $(DEMO_ARGS) --max-steps 60
 	@echo "=== baked project: $(DEMO_PROJECT)"
 
+# Three pytest-xdist workers on two cores: much of the suite waits (a 32 s save, Slurm, rendezvous timeouts).
+# --dist loadgroup keeps each xdist_group (a shared reference run, a test cluster's fixed ports) on one worker.
+TEST_WORKERS ?= 3
+
 test: $(INSTALLED) lint
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup tests
 
 # For edit loops: everything that starts no torchrun job, plus one 2-rank training run (under 2 minutes).
 test-fast: $(INSTALLED) lint

@@ -31,6 +31,21 @@ def require(condition: bool, reason: str) -> pytest.MarkDecorator:
     return pytest.mark.skipif(not condition and not REQUIRE_ALL, reason=reason)
 
 
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's own, which tags each grouped test with its group
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Longest work first, so that `make test`'s xdist workers finish together instead of one running a long
+    test alone at the end: the GPU check's dry run (about 90 s of CPU), then the xdist groups (each is one
+    worker's work, test after test), then the other torchrun tests, then the in-process ones."""
+    if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
+        lost = [item.nodeid for item in items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+        assert not lost, f"pytest-xdist did not group {lost[0]} (pytest-xdist#1386): use the pinned pytest"
+
+    def order(item: pytest.Item) -> int:
+        markers = ("starts_first", "xdist_group", "slow")
+        return next((rank for rank, name in enumerate(markers) if item.get_closest_marker(name)), len(markers))
+    items.sort(key=order)  # stable: within a rank, the order of the files
+
+
 def tool_env(**extra: str) -> dict[str, str]:
     """The environment for child processes: this venv first on PATH, one thread per rank."""
     return {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "1",

@@ -16,7 +16,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import run, tool_env, wait_for, worker_pids
 
-pytestmark = pytest.mark.slow  # torchrun jobs: `make test-fast` leaves these out
+# torchrun jobs: `make test-fast` leaves these out. One xdist worker runs them all, so that the module's
+# reference run is made once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("fsdp2")]
 
 # small_cnn: no batch statistics, so 1 rank x 32 samples and 2 ranks x 16 compute the same update.
 # 512 samples over 2 ranks of 16: 16 steps an epoch.

@@ -72,6 +72,7 @@ def test_checkpoints_hold_a_cuda_generator_state_per_rank_and_resume_without_cud
 
 
 @pytest.mark.slow
+@pytest.mark.starts_first  # the suite's longest test: 13 short launches
 def test_gpu_check_dry_run_prints_every_row(tmp_path):
     table = tmp_path / "gpu_check.md"
     result = run([sys.executable, str(TEMPLATE_ROOT / "benchmarks" / "gpu_check.py"), "--dry-run",

@@ -16,7 +16,9 @@ import torch
 
 from conftest import assert_bitwise_equal, checkpoint, paused, run, tool_env, wait_for
 
-pytestmark = pytest.mark.slow  # torchrun jobs: `make test-fast` leaves these out
+# torchrun jobs: `make test-fast` leaves these out. One xdist worker runs them all, so that the module's
+# reference run is made once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("language_model")]
 
 BLOCK = 32
 TRAIN_BLOCKS, HELD_OUT_BLOCKS = 128, 20

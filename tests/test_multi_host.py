@@ -28,7 +28,8 @@ TINY = ["--data", "fake", "--fake-samples", "256", "--image-size", "16", "--batc
         "--num-workers", "0", "--device", "cpu", "--log-every", "2"]
 
 pytestmark = [require(os.geteuid() == 0 and shutil.which("ip") is not None,
-                      "needs root and iproute2 to create network namespaces"), pytest.mark.slow]
+                      "needs root and iproute2 to create network namespaces"), pytest.mark.slow,
+              pytest.mark.xdist_group("namespaces")]
 
 
 def sh(*command: str) -> None:

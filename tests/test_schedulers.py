@@ -88,6 +88,8 @@ def test_sbatch_requests_one_torchrun_per_node(bake, gpus):
     assert shellcheck.returncode == 0, shellcheck.stdout
 
 
+pytestmark = pytest.mark.xdist_group("slurm")  # under xdist: one test cluster (fixed ports), on one worker
+
 HAS_SLURM = all(shutil.which(tool) for tool in ("munged", "slurmctld", "slurmd", "sbatch"))
 
 
@@ -116,6 +118,8 @@ SlurmdLogFile={root}/slurmd.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
+# CPUs only: by default a job also takes all of the node's memory, so a second job waits however few CPUs it asks
+SelectTypeParameters=CR_CPU
 SchedulerType=sched/builtin
 ReturnToService=2
 MpiDefault=none
@@ -143,24 +147,33 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
 @pytest.mark.slow
 @require(os.geteuid() == 0 and HAS_SLURM, "needs root and Debian's slurm-wlm and munge")
 def test_two_one_node_slurm_jobs_on_one_machine_train_side_by_side(bake, slurm_cluster, tmp_path):
-    project = bake(gpus_per_node="0")
-    jobs = []
+    # 2 ranks a job: the script asks for 6 CPUs, and --cpus-per-task=1 lets both jobs onto this 2-CPU machine at
+    # once (with gpus_per_node=0 and nproc_per_node=auto it asks for the whole machine, so they would queue).
+    project = bake(gpus_per_node="0", nproc_per_node="2")
+    jobs = {}
     for name in ("first", "second"):  # both at once: before, the second stopped with "port 29400 is taken"
-        ckpt_dir = tmp_path / name
-        jobs.append((ckpt_dir, subprocess.Popen(
-            ["sbatch", "--wait", "--parsable", "--cpus-per-task=1", "--no-requeue", "slurm/train.sbatch",
+        submitted = subprocess.run(
+            ["sbatch", "--parsable", "--cpus-per-task=1", "--no-requeue", "slurm/train.sbatch", "--model", "small_cnn",
              "--data", "fake", "--fake-samples", "256", "--image-size", "16", "--batch-size", "16",
              "--num-workers", "0", "--device", "cpu", "--max-steps", "4", "--ckpt-every", "2",
-             "--ckpt-dir", str(ckpt_dir)],
-            cwd=project, env={**slurm_cluster, "NPROC_PER_NODE": "2"}, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True)))
-    for ckpt_dir, job in jobs:
-        stdout, stderr = job.communicate(timeout=300)
-        job_id = stdout.strip().split(";")[0]
-        output = (project / f"slurm-{job_id}.out").read_text() if job_id else ""
-        assert job.returncode == 0, stderr + output
+             "--ckpt-dir", str(tmp_path / name)],
+            cwd=project, env=slurm_cluster, capture_output=True, text=True)
+        assert submitted.returncode == 0, submitted.stderr
+        jobs[submitted.stdout.strip().split(";")[0]] = tmp_path / name
+    states = []
+    for job_id, ckpt_dir in jobs.items():
+        # Polled here: `sbatch --wait` polls at growing intervals, capped at 10 s, so it can return 10 s late.
+        deadline = time.monotonic() + 300
+        while (state := job_state(job_id, slurm_cluster))["JobState"] in ("PENDING", "RUNNING", "COMPLETING"):
+            assert time.monotonic() < deadline, state
+            time.sleep(0.2)
+        output = (project / f"slurm-{job_id}.out").read_text()
+        assert state["JobState"] == "COMPLETED", output
         assert "world_size=2 nodes=1 ranks_per_node=2" in output
         assert sorted(path.name for path in ckpt_dir.glob("step-*.pt")) == ["step-2.pt", "step-4.pt"]
+        states.append(state)
+    # Side by side: the second started before the first ended (whole seconds, ISO 8601: comparable as text).
+    assert max(state["StartTime"] for state in states) < min(state["EndTime"] for state in states), states
 
 
 def job_state(job_id: str, environment: dict[str, str]) -> dict[str, str]:
