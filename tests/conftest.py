@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import pty
 import random
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -203,12 +205,21 @@ def bare_torchrun(project: Path, ckpt_dir: Path, *args: str, max_restarts: int =
 
 
 @pytest.fixture(scope="session")
-def uninterrupted_bare(default_project, tmp_path_factory) -> Path:
-    """The reference for the tests that interrupt a BARE run: checkpoints every 4 steps to step 40."""
-    ckpt_dir = tmp_path_factory.mktemp("uninterrupted-bare")
-    launcher = bare_torchrun(default_project, ckpt_dir)
-    output = launcher.communicate(timeout=300)[0]
-    assert launcher.returncode == 0, output
+def uninterrupted_bare(default_project, tmp_path_factory, worker_id) -> Path:
+    """The reference for the tests that interrupt a BARE run: checkpoints every 4 steps to step 40. Made once
+    per session, also under pytest-xdist: the first worker to need it makes it, the others wait on a lock
+    in the folder that all of this session's workers share, then read the same files."""
+    basetemp = tmp_path_factory.getbasetemp()
+    shared = basetemp if worker_id == "master" else basetemp.parent  # .../pytest-N, not .../pytest-N/popen-gwK
+    ckpt_dir = shared / "uninterrupted-bare"
+    with open(shared / "uninterrupted-bare.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this worker dies
+        if not (ckpt_dir / "complete").exists():
+            shutil.rmtree(ckpt_dir, ignore_errors=True)  # what a worker that failed making it left
+            launcher = bare_torchrun(default_project, ckpt_dir)
+            output = launcher.communicate(timeout=300)[0]
+            assert launcher.returncode == 0, output
+            (ckpt_dir / "complete").touch()
     return ckpt_dir
 
 

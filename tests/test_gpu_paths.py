@@ -5,19 +5,15 @@ and benchmarks/gpu_check.py in its dry mode so the GPU check cannot rot."""
 from __future__ import annotations
 
 import importlib
-import subprocess
+import shutil
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from conftest import TEMPLATE_ROOT, run
-
-SMALL = ["--data", "fake", "--model", "small_cnn", "--fake-samples", "256", "--image-size", "16",
-         "--num-workers", "0", "--device", "cpu", "--eval-every", "0"]
+from conftest import BARE, TEMPLATE_ROOT, run
 
 
 @pytest.fixture
@@ -55,20 +51,17 @@ def test_evaluation_runs_under_the_training_autocast(baked_module):
     assert bf16["loss"] != fp32["loss"] and abs(bf16["loss"] - fp32["loss"]) < 0.05 * fp32["loss"], (bf16, fp32)
 
 
-def torchrun(project: Path, nproc: int, *args: str) -> subprocess.CompletedProcess:
-    result = run(["torchrun", "--standalone", f"--nproc-per-node={nproc}", "train.py", *SMALL, *args], cwd=project)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return result
-
-
 @pytest.mark.slow
-def test_checkpoints_hold_a_cuda_generator_state_per_rank_and_resume_without_cuda(default_project, tmp_path):
-    torchrun(default_project, 2, "--batch-size", "8", "--max-steps", "2", "--ckpt-dir", str(tmp_path))
-    assert torch.load(tmp_path / "step-2.pt", weights_only=True)["cuda_rng_states"] == [[], []]  # empty: no CUDA
+def test_checkpoints_hold_a_cuda_generator_state_per_rank_and_resume_without_cuda(default_project, uninterrupted_bare,
+                                                                                  tmp_path):
+    shutil.copy(uninterrupted_bare / "step-4.pt", tmp_path)  # saved by 2 ranks
+    assert torch.load(tmp_path / "step-4.pt", weights_only=True)["cuda_rng_states"] == [[], []]  # empty: no CUDA
     # One rank resumes it (restoring is a no-op without CUDA) and saves its own one entry.
-    result = torchrun(default_project, 1, "--batch-size", "16", "--max-steps", "3", "--ckpt-dir", str(tmp_path))
-    assert "resuming from " + str(tmp_path / "step-2.pt") in result.stderr
-    assert torch.load(tmp_path / "step-3.pt", weights_only=True)["cuda_rng_states"] == [[]]
+    result = run(["torchrun", "--standalone", "--nproc-per-node=1", "train.py", *BARE, "--max-steps", "5",
+                  "--ckpt-dir", str(tmp_path)], cwd=default_project)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "resuming from " + str(tmp_path / "step-4.pt") in result.stderr
+    assert torch.load(tmp_path / "step-5.pt", weights_only=True)["cuda_rng_states"] == [[]]
 
 
 @pytest.mark.slow

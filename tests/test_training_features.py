@@ -46,15 +46,24 @@ def metric_rows(log_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_accumulated_micro_batches_equal_one_larger_batch(default_project, tmp_path):
+@pytest.fixture(scope="module")
+def batch_16_run(default_project, tmp_path_factory) -> Path:
+    """6 plain steps of 16 samples per rank: what accumulated micro-batches must equal, and what a compiled
+    model is compared with. The tests that use it are one xdist group, so it runs once."""
+    ckpt_dir = tmp_path_factory.mktemp("batch-16")
+    torchrun(default_project, 2, "--batch-size", "16", "--max-steps", "6", "--ckpt-dir", str(ckpt_dir))
+    return ckpt_dir
+
+
+@pytest.mark.xdist_group("batch_16_run")
+def test_accumulated_micro_batches_equal_one_larger_batch(default_project, batch_16_run, tmp_path):
     """2 micro-batches of 8 per rank (all-reduce on the second only) against 1 batch of 16, same samples."""
-    accumulated, large_batch, small_batch = (tmp_path / name for name in ("accumulated", "large", "small"))
+    accumulated, small_batch = tmp_path / "accumulated", tmp_path / "small"
     torchrun(default_project, 2, "--batch-size", "8", "--grad-accum", "2", "--max-steps", "6",
              "--ckpt-dir", str(accumulated))
-    torchrun(default_project, 2, "--batch-size", "16", "--max-steps", "6", "--ckpt-dir", str(large_batch))
     # The same samples as 12 plain steps of 8: a different training run, which the comparison must tell apart.
     torchrun(default_project, 2, "--batch-size", "8", "--max-steps", "12", "--ckpt-dir", str(small_batch))
-    expected = final_state(large_batch, 6)["model"]
+    expected = final_state(batch_16_run, 6)["model"]
     assert max_difference(final_state(accumulated, 6)["model"], expected) < 1e-6
     assert max_difference(final_state(small_batch, 12)["model"], expected) > 1e-3
 
@@ -102,12 +111,12 @@ def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(event.step, event.value) for event in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
-def test_compiled_model_trains_like_the_eager_one(default_project, tmp_path):
-    compiled, eager = tmp_path / "compiled", tmp_path / "eager"
-    torchrun(default_project, 2, "--compile", "--batch-size", "16", "--max-steps", "4", "--ckpt-dir", str(compiled))
-    torchrun(default_project, 2, "--batch-size", "16", "--max-steps", "4", "--ckpt-dir", str(eager))
+@pytest.mark.xdist_group("batch_16_run")
+def test_compiled_model_trains_like_the_eager_one(default_project, batch_16_run, tmp_path):
+    compiled = tmp_path / "compiled"
+    torchrun(default_project, 2, "--compile", "--batch-size", "16", "--max-steps", "6", "--ckpt-dir", str(compiled))
     # Compiled kernels may fuse and reorder float operations: close, not bitwise.
-    assert max_difference(final_state(compiled, 4)["model"], final_state(eager, 4)["model"]) < 1e-4
+    assert max_difference(final_state(compiled, 6)["model"], final_state(batch_16_run, 6)["model"]) < 1e-4
 
 
 def test_progress_bar_on_a_terminal_and_plain_lines_otherwise(default_project, tmp_path):
