@@ -36,9 +36,9 @@ TEST_WORKERS ?= 3
 test: $(INSTALLED) lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup tests
 
-# For edit loops: everything that starts no torchrun job, plus one 2-rank training run (under 2 minutes).
+# For edit loops: everything that starts no torchrun job, plus one 2-rank training run (about a minute).
 test-fast: $(INSTALLED) lint
-	$(BIN)/python -m pytest -m "not slow" tests
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not slow" tests
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check benchmarks tests  # hooks and the project are Jinja, linted once baked
