@@ -117,6 +117,10 @@ class StoreAddress:
     host: str
     port: int
 
+    def connect(self, timeout: timedelta) -> dist.TCPStore:
+        """A client connection of its own to this store."""
+        return dist.TCPStore(self.host, self.port, is_master=False, timeout=timeout)
+
 
 @contextlib.contextmanager
 def distributed_session(env: DistEnv, device: torch.device,
@@ -161,7 +165,7 @@ def store_of_this_attempt(env: DistEnv, timeout: timedelta) -> tuple[dist.Store,
         store = dist.TCPStore(master.host, master.port, env.world_size, is_master=env.is_main_process,
                               timeout=timeout, multi_tenant=True)
         return store, master
-    shared = dist.TCPStore(master.host, master.port, is_master=False, timeout=timeout)
+    shared = master.connect(timeout)
     key = f"ddp-template/{env.run_id}/store-of-this-attempt"
     if env.is_main_process:
         host = address_toward(master.host)
@@ -176,10 +180,11 @@ def store_of_this_attempt(env: DistEnv, timeout: timedelta) -> tuple[dist.Store,
         if listening(host, int(port)):  # a stale entry's store died with its rank 0: refused at once
             # A short timeout: the stale port may since have been taken by something that is not our store.
             with contextlib.suppress(RuntimeError):
-                candidate = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
+                address = StoreAddress(host, int(port))
+                candidate = address.connect(timedelta(seconds=5))
                 if candidate.get("token").decode() == token:
                     candidate.set_timeout(timeout)
-                    return candidate, StoreAddress(host, int(port))
+                    return candidate, address
         time.sleep(0.05)
     raise TimeoutError(f"rank 0 published no store for this attempt within {timeout}")
 

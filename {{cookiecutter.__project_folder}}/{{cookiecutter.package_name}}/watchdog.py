@@ -57,8 +57,7 @@ class Watchdog:
         self._main_thread = threading.main_thread().ident
         self._store_address = store_address
         if store_address is not None:  # where this process is, so a live rank can end it should it freeze
-            store = dist.TCPStore(store_address.host, store_address.port, is_master=False,
-                                  timeout=timedelta(seconds=30))
+            store = store_address.connect(timedelta(seconds=30))
             store.set(f"ddp-template/process/{env.rank}", process_identity(os.getpid()))
             del store  # closed before DataLoader workers fork
         # The C-level handler writes the signal number here even while the main thread is blocked in C++.
@@ -166,8 +165,7 @@ class Watchdog:
     def _share_and_summarize(self, report: dict) -> None:
         if self._store_address is None:
             return
-        store = dist.TCPStore(self._store_address.host, self._store_address.port, is_master=False,
-                              timeout=timedelta(seconds=5))
+        store = self._store_address.connect(timedelta(seconds=5))
         prefix = "ddp-template/hang-report/"
         store.set(f"{prefix}{self.env.rank}", json.dumps(report))
         time.sleep(3)  # the other live ranks time out at about the same moment
