@@ -89,7 +89,13 @@ def wait_for(path: Path, process: subprocess.Popen, timeout: float = 180) -> Non
 def paused(*launchers: subprocess.Popen) -> Iterator[list[int]]:
     """Hold every worker of these torchruns still (SIGSTOP) while the test picks one to kill or signals the
     job, then let them go on: a small model's run would otherwise end before the fault lands."""
-    pids = [pid for launcher in launchers for pid in worker_pids(launcher)]
+    with stopped([pid for launcher in launchers for pid in worker_pids(launcher)]) as pids:
+        yield pids
+
+
+@contextlib.contextmanager
+def stopped(pids: list[int]) -> Iterator[list[int]]:
+    """SIGSTOP these processes, and SIGCONT the ones still alive afterwards."""
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     try:

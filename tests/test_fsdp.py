@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import run, tool_env, wait_for, worker_pids
+from conftest import checkpoint, run, tool_env, wait_for, worker_pids
 
 # torchrun jobs: `make test-fast` leaves these out. One xdist worker runs them all, so that the module's
 # reference run is made once.
@@ -76,7 +76,7 @@ def test_fsdp2_trains_what_ddp_trains_and_exports_one_plain_file(fsdp_project, u
     ddp_dir = tmp_path / "ddp"
     launch(fsdp_project, 2, "--strategy", "ddp", "--batch-size", "16", "--max-steps", "12",
            "--ckpt-dir", str(ddp_dir))
-    ddp_model = torch.load(ddp_dir / "step-12.pt", weights_only=True)["model"]
+    ddp_model = checkpoint(ddp_dir, 12)["model"]
 
     exported = tmp_path / "exported" / "model.pt"
     result = run(["python", "-m", "ddp_training.export", str(uninterrupted), str(exported)], cwd=fsdp_project)
@@ -112,7 +112,7 @@ def test_batchnorm_shares_its_blocks_group_and_bf16_matches_ddp(fsdp_project, tm
     assert "fsdp2: 12 groups" in fsdp.stderr, fsdp.stderr[-3000:]
     launch(fsdp_project, 2, *args, "--strategy", "ddp", "--ckpt-dir", str(tmp_path / "ddp"))
     sharded = tensors(sharded_state(tmp_path / "fsdp2" / "step-2", tmp_path))
-    replicated = torch.load(tmp_path / "ddp" / "step-2.pt", weights_only=True)["model"]
+    replicated = checkpoint(tmp_path / "ddp", 2)["model"]
     for name, tensor in replicated.items():
         if tensor.is_floating_point():
             assert torch.allclose(sharded[f"model.{name}"], tensor, atol=1e-5), name
@@ -186,6 +186,6 @@ def test_accumulation_clipping_and_uneven_evaluation_match_ddp(fsdp_project, tmp
     for result in (fsdp, ddp):
         assert "on 65 held-out samples" in result.stderr
     sharded = tensors(sharded_state(tmp_path / "fsdp2" / "step-4", tmp_path))
-    replicated = torch.load(tmp_path / "ddp" / "step-4.pt", weights_only=True)["model"]
+    replicated = checkpoint(tmp_path / "ddp", 4)["model"]
     for name, tensor in replicated.items():
         assert torch.allclose(sharded[f"model.{name}"], tensor, atol=1e-5), name

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from conftest import BARE, TEMPLATE_ROOT, run
+from conftest import BARE, TEMPLATE_ROOT, checkpoint, run
 
 
 @pytest.fixture
@@ -55,17 +55,17 @@ def test_evaluation_runs_under_the_training_autocast(baked_module):
 def test_checkpoints_hold_a_cuda_generator_state_per_rank_and_resume_without_cuda(default_project, uninterrupted_bare,
                                                                                   tmp_path):
     shutil.copy(uninterrupted_bare / "step-4.pt", tmp_path)  # saved by 2 ranks
-    assert torch.load(tmp_path / "step-4.pt", weights_only=True)["cuda_rng_states"] == [[], []]  # empty: no CUDA
+    assert checkpoint(tmp_path, 4)["cuda_rng_states"] == [[], []]  # empty: no CUDA
     # One rank resumes it (restoring is a no-op without CUDA) and saves its own one entry.
     result = run(["torchrun", "--standalone", "--nproc-per-node=1", "train.py", *BARE, "--max-steps", "5",
                   "--ckpt-dir", str(tmp_path)], cwd=default_project)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "resuming from " + str(tmp_path / "step-4.pt") in result.stderr
-    assert torch.load(tmp_path / "step-5.pt", weights_only=True)["cuda_rng_states"] == [[]]
+    assert checkpoint(tmp_path, 5)["cuda_rng_states"] == [[]]
 
 
 @pytest.mark.slow
-@pytest.mark.starts_first  # the suite's longest test: 13 short launches
+@pytest.mark.starts_first  # the suite's longest test: 12 short launches
 def test_gpu_check_dry_run_prints_every_row(tmp_path):
     table = tmp_path / "gpu_check.md"
     result = run([sys.executable, str(TEMPLATE_ROOT / "benchmarks" / "gpu_check.py"), "--dry-run",

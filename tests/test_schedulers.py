@@ -3,11 +3,9 @@ PyTorchJob manifest with what the training operator needs."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -15,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import BARE, assert_bitwise_equal, checkpoint, require, run, tool_env
+from conftest import BARE, assert_bitwise_equal, checkpoint, require, run, stopped, tool_env
 
 SCHEDULER_ANSWERS = [
     ({"use_slurm": "yes", "use_kubernetes": "no"}, {"slurm/train.sbatch"}),
@@ -201,14 +199,9 @@ def test_a_slurm_job_sent_sigterm_saves_requeues_itself_and_resumes_bitwise(
         assert time.monotonic() < deadline, log.read_text() if log.exists() else job_state(job_id, environment)
         time.sleep(0.2)
     # Held still while the signal is sent, so that this small model's run cannot end first.
-    held = [int(pid) for pid in subprocess.run(["pgrep", "-f", f"--ckpt-dir {tmp_path}"], capture_output=True,
-                                               text=True).stdout.split()]
-    for pid in held:
-        os.kill(pid, signal.SIGSTOP)
-    subprocess.run(["scancel", "--signal=TERM", job_id], env=environment, check=True)
-    for pid in held:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
+    job_processes = subprocess.run(["pgrep", "-f", f"--ckpt-dir {tmp_path}"], capture_output=True, text=True)
+    with stopped([int(pid) for pid in job_processes.stdout.split()]):
+        subprocess.run(["scancel", "--signal=TERM", job_id], env=environment, check=True)
     ended_at = pending_since = None  # a job that requeues itself passes through FAILED for a moment
     while (state := job_state(job_id, environment))["JobState"] != "COMPLETED":
         if state["JobState"] in ("RUNNING", "PENDING", "REQUEUED", "COMPLETING"):

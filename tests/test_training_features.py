@@ -15,9 +15,8 @@ import termios
 from pathlib import Path
 
 import pytest
-import torch
 
-from conftest import run, tool_env
+from conftest import checkpoint, run, tool_env
 
 pytestmark = pytest.mark.slow  # torchrun jobs: `make test-fast` leaves these out
 
@@ -31,10 +30,6 @@ def torchrun(project: Path, nproc: int, *args: str) -> subprocess.CompletedProce
     result = run(["torchrun", "--standalone", f"--nproc-per-node={nproc}", "train.py", *SMALL, *args], cwd=project)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
-
-
-def final_state(ckpt_dir: Path, step: int) -> dict:
-    return torch.load(ckpt_dir / f"step-{step}.pt", weights_only=True)
 
 
 def max_difference(first: dict, second: dict) -> float:
@@ -63,9 +58,9 @@ def test_accumulated_micro_batches_equal_one_larger_batch(default_project, batch
              "--ckpt-dir", str(accumulated))
     # The same samples as 12 plain steps of 8: a different training run, which the comparison must tell apart.
     torchrun(default_project, 2, "--batch-size", "8", "--max-steps", "12", "--ckpt-dir", str(small_batch))
-    expected = final_state(batch_16_run, 6)["model"]
-    assert max_difference(final_state(accumulated, 6)["model"], expected) < 1e-6
-    assert max_difference(final_state(small_batch, 12)["model"], expected) > 1e-3
+    expected = checkpoint(batch_16_run, 6)["model"]
+    assert max_difference(checkpoint(accumulated, 6)["model"], expected) < 1e-6
+    assert max_difference(checkpoint(small_batch, 12)["model"], expected) > 1e-3
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -97,7 +92,7 @@ def test_mixed_precision_with_accumulation_and_clipping_learns_and_records_metri
     assert [step for step, _ in scalars["train/loss"]] == [row["step"] for row in train_rows]
     assert scalars["eval/accuracy"][-1][1] == pytest.approx(eval_rows[-1]["accuracy"])
 
-    state = final_state(ckpt_dir, 32)
+    state = checkpoint(ckpt_dir, 32)
     assert state["lr_schedule"]["last_epoch"] == 32  # the schedule's position, for an exact resume
     if precision == "fp16":
         assert state["grad_scaler"]["scale"] > 0, "the gradient scaler's state is saved for an exact resume"
@@ -116,7 +111,7 @@ def test_compiled_model_trains_like_the_eager_one(default_project, batch_16_run,
     compiled = tmp_path / "compiled"
     torchrun(default_project, 2, "--compile", "--batch-size", "16", "--max-steps", "6", "--ckpt-dir", str(compiled))
     # Compiled kernels may fuse and reorder float operations: close, not bitwise.
-    assert max_difference(final_state(compiled, 6)["model"], final_state(batch_16_run, 6)["model"]) < 1e-4
+    assert max_difference(checkpoint(compiled, 6)["model"], checkpoint(batch_16_run, 6)["model"]) < 1e-4
 
 
 def test_progress_bar_on_a_terminal_and_plain_lines_otherwise(default_project, tmp_path):
