@@ -7,6 +7,7 @@ import fcntl
 import os
 import pty
 import random
+import re
 import select
 import shutil
 import signal
@@ -163,6 +164,14 @@ def run_in_terminal(command: list[str], cwd: Path, timeout: float = 120, **env: 
     if process.poll() is None:
         process.kill()
     return process.wait(timeout=10), output.decode(errors="replace")
+
+
+def assert_project_tests_pass(project: Path) -> None:
+    """The baked project's own tests, run as its README says: all 3 pass (they train with task.py's
+    SMOKE_TEST_ARGS, so this also checks the task's tiny run is learnable)."""
+    result = run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=project, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"\b3 passed\b", result.stdout), result.stdout
 
 
 def build_wheel(project: Path, wheel_dir: Path) -> Path:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run
+from conftest import assert_project_tests_pass, run
 
 
 def readme_block(project: Path, language: str, section: str = "## Make it yours") -> str:
@@ -51,9 +51,7 @@ def test_readme_regression_diff_is_the_whole_change(bake, tmp_path):
     assert len(evaluations) == 20, result.stderr  # one per epoch, every held-out row counted once
     assert float(evaluations[-1][1]) < 0.2 < float(evaluations[0][1]), evaluations
 
-    smoke = run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=project, timeout=600)
-    assert smoke.returncode == 0, smoke.stdout + smoke.stderr
-    assert re.search(r"\b3 passed\b", smoke.stdout), smoke.stdout
+    assert_project_tests_pass(project)
 
 
 def test_an_unknown_name_says_which_file_and_function_to_edit(default_project, tmp_path):
