@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib.util
 import os
 import pty
 import random
@@ -14,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -201,10 +203,45 @@ def bake(cookies_session):
     return _bake
 
 
+@pytest.fixture(scope="session")
+def baked_train(default_project):
+    """The baked train.py imported into this process, so that a usage error found before training starts is
+    checked through main(argv) without starting a Python process (importing torch takes seconds here)."""
+    sys.path.insert(0, str(default_project))
+    spec = importlib.util.spec_from_file_location("baked_train", default_project / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    yield module
+    sys.path.remove(str(default_project))
+
+
+def main_in_this_process(baked_train, args: list[str], capsys) -> subprocess.CompletedProcess:
+    """train.py's main(args) where it ends before training starts (--help, a usage error), as a finished
+    process: its exit status, stdout and stderr."""
+    try:
+        baked_train.main(args)
+        status = 0  # torch's @record returns where SystemExit(0) was raised (argparse's --help)
+    except SystemExit as exit_status:
+        status = exit_status.code
+    assert "watchdog" not in [thread.name for thread in threading.enumerate()], "ended before train()"
+    output = capsys.readouterr()
+    return subprocess.CompletedProcess(args, status, output.out, output.err)
+
+
 # The user's launch path: the torchrun command from the docs, nothing exported, a small model, loader workers.
 BARE = ["--model", "small_cnn", "--data", "fake", "--fake-samples", "512", "--image-size", "16", "--batch-size",
         "8", "--device", "cpu", "--ckpt-every", "4", "--keep-checkpoints", "100", "--log-every", "1",
         "--num-workers", "2", "--max-steps", "40"]
+
+
+def assert_trains_like_bare(args: list[str]) -> None:
+    """That these flags, with --batch-size 8, train what BARE trains: the same value for every flag that decides
+    the weights (loader workers, logging and the step limit do not; the LR schedule spans --epochs)."""
+    reference, flags = dict(zip(BARE[::2], BARE[1::2], strict=True)), dict(zip(args[::2], args[1::2], strict=True))
+    assert reference["--batch-size"] == "8", BARE
+    ignored = ("--num-workers", "--log-every", "--max-steps", "--ckpt-every", "--keep-checkpoints")
+    assert {flag: value for flag, value in flags.items() if flag not in ignored} == {
+        flag: reference[flag] for flag in flags if flag not in ignored}, (args, BARE)
 
 
 def bare_torchrun(project: Path, ckpt_dir: Path, *args: str, max_restarts: int = 0,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import bake_command, bake_with_cli, build_wheel, run, run_in_terminal
+from conftest import bake_command, bake_with_cli, build_wheel, main_in_this_process, run, run_in_terminal
 
 DEFAULT_FILES = {
     ".cookiecutter.json", ".gitignore", "MANIFEST.in", "README.md", "pyproject.toml", "run_node.sh", "train.py",
@@ -128,8 +128,10 @@ def test_baking_again_without_slurm_removes_only_the_templates_files(tmp_path):
     assert not slurm.exists(), "a folder left empty by the template's own files goes too"
 
 
-def test_help_shows_each_default_once(default_project):
-    result = run(["python", "train.py", "--help"], cwd=default_project)
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # @record, under captured stderr
+def test_help_shows_each_default_once(baked_train, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")  # argparse's width, as in a pipe
+    result = main_in_this_process(baked_train, ["--help"], capsys)
     assert result.returncode == 0, result.stderr
     # One block per flag: its line and the indented lines of help text below it.
     blocks = re.split(r"\n(?=  -)", result.stdout.split("options:", 1)[1])

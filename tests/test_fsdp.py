@@ -14,14 +14,15 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import checkpoint, run, tool_env, wait_for, worker_pids
+from conftest import assert_trains_like_bare, checkpoint, run, tool_env, wait_for, worker_pids
 
 # torchrun jobs: `make test-fast` leaves these out. One xdist worker runs them all, so that the module's
 # reference run is made once.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("fsdp2")]
 
-# small_cnn: no batch statistics, so 1 rank x 32 samples and 2 ranks x 16 compute the same update.
-# 512 samples over 2 ranks of 16: 16 steps an epoch.
+# small_cnn: no batch statistics, so 1 rank x 16 samples and 2 ranks x 8 compute the same update.
+# 512 samples over 2 ranks of 8: 32 steps an epoch. What these runs train is what the session's DDP reference
+# run (conftest's BARE) trains.
 RUN = ["--data", "fake", "--model", "small_cnn", "--fake-samples", "512", "--image-size", "16", "--device", "cpu",
        "--num-workers", "0", "--ckpt-every", "4", "--keep-checkpoints", "100", "--log-every", "4"]
 
@@ -59,7 +60,7 @@ def tensors(state: dict, prefix: str = "") -> dict[str, torch.Tensor]:
 def uninterrupted(fsdp_project, tmp_path_factory) -> Path:
     """Sharded checkpoints every 4 steps of an undisturbed 2-rank run to step 12: the reference."""
     ckpt_dir = tmp_path_factory.mktemp("fsdp-uninterrupted")
-    launch(fsdp_project, 2, "--batch-size", "16", "--max-steps", "12", "--ckpt-dir", str(ckpt_dir))
+    launch(fsdp_project, 2, "--batch-size", "8", "--max-steps", "12", "--ckpt-dir", str(ckpt_dir))
     return ckpt_dir
 
 
@@ -72,11 +73,10 @@ def test_sharded_checkpoints_are_complete_step_folders(fsdp_project, uninterrupt
     assert sharded_state(uninterrupted / "step-12", tmp_path)["cuda_rng_states"] == [[], []]
 
 
-def test_fsdp2_trains_what_ddp_trains_and_exports_one_plain_file(fsdp_project, uninterrupted, tmp_path):
-    ddp_dir = tmp_path / "ddp"
-    launch(fsdp_project, 2, "--strategy", "ddp", "--batch-size", "16", "--max-steps", "12",
-           "--ckpt-dir", str(ddp_dir))
-    ddp_model = checkpoint(ddp_dir, 12)["model"]
+def test_fsdp2_trains_what_ddp_trains_and_exports_one_plain_file(fsdp_project, uninterrupted, uninterrupted_bare,
+                                                                 tmp_path):
+    assert_trains_like_bare(RUN)  # the session's DDP run is this module's settings, to step 40
+    ddp_model = checkpoint(uninterrupted_bare, 12)["model"]
 
     exported = tmp_path / "exported" / "model.pt"
     result = run(["python", "-m", "ddp_training.export", str(uninterrupted), str(exported)], cwd=fsdp_project)
@@ -92,7 +92,7 @@ def test_fsdp2_trains_what_ddp_trains_and_exports_one_plain_file(fsdp_project, u
 def test_channels_last_shards_and_trains_what_contiguous_parameters_train(fsdp_project, uninterrupted, tmp_path):
     """Issue 11: channels-last conv weights are not contiguous, and fully_shard refused them at start (on CUDA
     channels-last is the default for conv models)."""
-    launch(fsdp_project, 2, "--channels-last", "--batch-size", "16", "--max-steps", "4",
+    launch(fsdp_project, 2, "--channels-last", "--batch-size", "8", "--max-steps", "4",
            "--ckpt-dir", str(tmp_path / "channels-last"))
     expected = tensors(sharded_state(uninterrupted / "step-4", tmp_path))
     actual = tensors(sharded_state(tmp_path / "channels-last" / "step-4", tmp_path))
@@ -122,7 +122,7 @@ def test_batchnorm_shares_its_blocks_group_and_bf16_matches_ddp(fsdp_project, tm
 
 def test_kill_9_mid_run_resumes_bitwise(fsdp_project, uninterrupted, tmp_path):
     ckpt_dir = tmp_path / "killed"
-    launcher = subprocess.Popen(["./run_node.sh", *RUN, "--batch-size", "16", "--max-steps", "12",
+    launcher = subprocess.Popen(["./run_node.sh", *RUN, "--batch-size", "8", "--max-steps", "12",
                                  "--ckpt-dir", str(ckpt_dir)], cwd=fsdp_project,
                                 env=tool_env(NPROC_PER_NODE="2", MAX_RESTARTS="1"), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -142,9 +142,9 @@ def test_two_ranks_to_one_reshards_and_continues_the_same_run(fsdp_project, unin
     ckpt_dir = tmp_path / "resharded"
     ckpt_dir.mkdir()
     shutil.copytree(uninterrupted / "step-8", ckpt_dir / "step-8")
-    # One rank of 32 samples: the same global batch, so the same run continues on half the ranks.
-    result = launch(fsdp_project, 1, "--batch-size", "32", "--max-steps", "12", "--ckpt-dir", str(ckpt_dir))
-    assert "step 8, epoch 0, 256 samples into the epoch, saved by 2 ranks" in result.stderr
+    # One rank of 16 samples: the same global batch, so the same run continues on half the ranks.
+    result = launch(fsdp_project, 1, "--batch-size", "16", "--max-steps", "12", "--ckpt-dir", str(ckpt_dir))
+    assert "step 8, epoch 0, 128 samples into the epoch, saved by 2 ranks" in result.stderr
     expected = tensors(sharded_state(uninterrupted / "step-12", tmp_path))
     actual = tensors(sharded_state(ckpt_dir / "step-12", tmp_path))
     for name, tensor in expected.items():
@@ -159,7 +159,7 @@ def test_torn_newest_folder_and_partial_save_fall_back_to_the_previous(fsdp_proj
     shard = ckpt_dir / "step-8" / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a copy cut short
     (ckpt_dir / ".step-12.partial").mkdir()  # a save killed before it was published
-    result = launch(fsdp_project, 2, "--batch-size", "16", "--max-steps", "8", "--ckpt-dir", str(ckpt_dir))
+    result = launch(fsdp_project, 2, "--batch-size", "8", "--max-steps", "8", "--ckpt-dir", str(ckpt_dir))
     assert "skipping incomplete checkpoint" in result.stderr and "__1_0.distcp" in result.stderr
     assert "removed" in result.stderr and not (ckpt_dir / ".step-12.partial").exists()
     assert "resuming from " + str(ckpt_dir / "step-4") in result.stderr

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import subprocess
-import sys
-import threading
 
 import pytest
 
-from conftest import assert_project_tests_pass, make_image_folder, run, start_nodes
+from conftest import assert_project_tests_pass, main_in_this_process, make_image_folder, run, start_nodes
 
 TINY = ["--data", "fake", "--image-size", "16", "--batch-size", "16", "--num-workers", "0", "--device", "cpu"]
 
@@ -45,18 +41,6 @@ def test_generated_smoke_tests_pass(default_project):
     assert_project_tests_pass(default_project)
 
 
-@pytest.fixture(scope="module")
-def baked_train(default_project):
-    """The baked train.py imported into this process, so that a usage error found before training starts is
-    checked through main(argv) without starting a Python process (importing torch takes seconds here)."""
-    sys.path.insert(0, str(default_project))
-    spec = importlib.util.spec_from_file_location("baked_train", default_project / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    yield module
-    sys.path.remove(str(default_project))
-
-
 # Found while the data loaders are built, in train(): after the watchdog has taken over SIGTERM, which this
 # process must keep; these run as processes of their own.
 FOUND_IN_TRAIN = ("--fake-samples",)
@@ -71,10 +55,7 @@ def test_bad_option_is_one_clear_line(default_project, baked_train, tmp_path, ar
         result = run(["python", "train.py", *args], cwd=default_project)
     else:
         monkeypatch.chdir(default_project)
-        with pytest.raises(SystemExit) as exit_status:
-            baked_train.main(args)
-        assert "watchdog" not in [thread.name for thread in threading.enumerate()], "found before train()"
-        result = subprocess.CompletedProcess(args, exit_status.value.code, "", capsys.readouterr().err)
+        result = main_in_this_process(baked_train, args, capsys)
     assert_one_error_line(result, expected.format(tmp=tmp_path))
 
 
@@ -92,9 +73,11 @@ def test_bad_option_under_torchrun_stops_every_rank_with_the_same_line(default_p
       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
      "error: inconsistent torchrun environment: RANK=2 with WORLD_SIZE=2"),
 ], ids=["partial", "inconsistent"])
-def test_broken_launch_environment_is_refused(default_project, tmp_path, environment, expected):
-    result = run(["python", "train.py", *TINY, "--ckpt-dir", str(tmp_path)], cwd=default_project, **environment)
-    assert_one_error_line(result, expected)
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # @record, under captured stderr
+def test_broken_launch_environment_is_refused(baked_train, tmp_path, environment, expected, capsys, monkeypatch):
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    assert_one_error_line(main_in_this_process(baked_train, [*TINY, "--ckpt-dir", str(tmp_path)], capsys), expected)
 
 
 def test_plain_python_runs_one_process_and_ignores_old_local_rank_flag(default_project, tmp_path):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_project_tests_pass, run
+from conftest import assert_project_tests_pass, main_in_this_process, run
 
 
 def readme_block(project: Path, language: str, section: str = "## Make it yours") -> str:
@@ -54,8 +54,9 @@ def test_readme_regression_diff_is_the_whole_change(bake, tmp_path):
     assert_project_tests_pass(project)
 
 
-def test_an_unknown_name_says_which_file_and_function_to_edit(default_project, tmp_path):
-    result = run(["python", "train.py", "--data", "csv", "--ckpt-dir", str(tmp_path)], cwd=default_project)
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # @record, under captured stderr
+def test_an_unknown_name_says_which_file_and_function_to_edit(baked_train, tmp_path, capsys):
+    result = main_in_this_process(baked_train, ["--data", "csv", "--ckpt-dir", str(tmp_path)], capsys)
     assert result.returncode == 1
     assert result.stderr.splitlines() == [
         "error: --data 'csv' is not registered; known: cifar10, fake, imagefolder. To add it, register a "
