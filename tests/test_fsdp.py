@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import assert_trains_like_bare, checkpoint, run, tool_env, wait_for, worker_pids
+from conftest import assert_trains_like_bare, checkpoint, paused, run, tool_env, wait_for
 
 # torchrun jobs: `make test-fast` leaves these out. One xdist worker runs them all, so that the module's
 # reference run is made once.
@@ -127,7 +127,8 @@ def test_kill_9_mid_run_resumes_bitwise(fsdp_project, uninterrupted, tmp_path):
                                 env=tool_env(NPROC_PER_NODE="2", MAX_RESTARTS="1"), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
     wait_for(ckpt_dir / "step-4", launcher)
-    os.kill(worker_pids(launcher)[-1], signal.SIGKILL)
+    with paused(launcher) as workers:  # lest the run end before the kill lands
+        os.kill(workers[-1], signal.SIGKILL)
     output, _ = launcher.communicate(timeout=300)
     assert launcher.returncode == 0, output
     assert "resuming from" in output and "step-4" in output, output

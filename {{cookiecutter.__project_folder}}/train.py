@@ -14,7 +14,8 @@ newest checkpoint in --ckpt-dir. The loop below is yours to edit; torchrun detai
 
 import gc
 
-gc.disable()  # while importing; see gc.freeze() below. So the imports come after code:
+if __name__ == "__main__":  # run by torchrun or python, not imported by a test
+    gc.disable()  # while importing; see the end of this file. So the imports come after code:
 # ruff: noqa: E402
 
 import math
@@ -41,14 +42,6 @@ from {{ cookiecutter.package_name }}.options import TrainOptions, UsageError, pa
 from {{ cookiecutter.package_name }}.parallel import gradient_sync, uses_channels_last, wrap_model
 from {{ cookiecutter.package_name }}.reproducibility import seed_and_choose_kernels
 from {{ cookiecutter.package_name }}.watchdog import Watchdog
-
-# Importing torch made half a million objects that live as long as the process. Python's cycle collector would
-# walk them all, again and again while they were made, at each full collection during training and once more at
-# exit: about a second of CPU at every start and restart of a rank. In the DataLoader's forked workers it would
-# also write to their memory, which each worker then copies. Hence the recipe of Python's gc.freeze() docs: no
-# collection while importing, then what the imports made is moved where the collector never looks.
-gc.freeze()
-gc.enable()
 
 
 def train(options: TrainOptions, env: DistEnv, device: torch.device, store: StoreAddress | None) -> None:
@@ -143,4 +136,12 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    # Importing torch made half a million objects that live as long as the process. Python's cycle collector
+    # would walk them all, again and again while they were made, at each full collection during training and once
+    # more at exit: about a second of CPU at every start and restart of a rank, and in DataLoader workers started
+    # by fork it would write to their memory, which each worker then copies. So, adapting the recipe of Python's
+    # gc.freeze() docs: no collection while importing, then what the imports made is moved where the collector
+    # never looks (with the few MB of garbage they left, which one more full collection would cost to free).
+    gc.freeze()
+    gc.enable()
     main()
