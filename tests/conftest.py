@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,7 +41,7 @@ def require(condition: bool, reason: str) -> pytest.MarkDecorator:
 @pytest.hookimpl(trylast=True)  # after pytest-xdist's own, which tags each grouped test with its group
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Longest work first, so that `make test`'s xdist workers finish together instead of one running a long
-    test alone at the end: the GPU check's dry run (about 90 s of CPU), then the xdist groups (each is one
+    test alone at the end: the GPU check's dry run (about 75 s of CPU), then the xdist groups (each is one
     worker's work, test after test), then the other torchrun tests, then the in-process ones."""
     if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
         lost = [item.nodeid for item in items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
@@ -206,8 +207,8 @@ def bake(cookies_session):
 
 @pytest.fixture(scope="session")
 def baked_train(default_project):
-    """The baked train.py imported into this process, so that a usage error found before training starts is
-    checked through main(argv) without starting a Python process (importing torch takes seconds here)."""
+    """The baked train.py imported into this process, so that what main(argv) does before training starts
+    (--help, a usage error) is checked without starting a Python process (importing torch takes seconds)."""
     sys.path.insert(0, str(default_project))
     spec = importlib.util.spec_from_file_location("baked_train", default_project / "train.py")
     module = importlib.util.module_from_spec(spec)
@@ -222,7 +223,9 @@ def main_in_this_process(baked_train, args: list[str], capsys) -> subprocess.Com
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level  # main() points logging at this test's captured stderr
     try:
-        baked_train.main(args)
+        with warnings.catch_warnings():  # torch's @record cannot enable faulthandler on captured stderr
+            warnings.filterwarnings("ignore", "Unable to enable fault handler")
+            baked_train.main(args)
         status = 0  # torch's @record returns where SystemExit(0) was raised (argparse's --help)
     except SystemExit as exit_status:
         status = exit_status.code

@@ -128,7 +128,6 @@ def test_baking_again_without_slurm_removes_only_the_templates_files(tmp_path):
     assert not slurm.exists(), "a folder left empty by the template's own files goes too"
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # @record, under captured stderr
 def test_help_shows_each_default_once(baked_train, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "80")  # argparse's width, as in a pipe
     result = main_in_this_process(baked_train, ["--help"], capsys)

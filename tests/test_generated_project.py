@@ -46,7 +46,6 @@ def test_generated_smoke_tests_pass(default_project):
 FOUND_IN_TRAIN = ("--fake-samples",)
 
 
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # @record, under captured stderr
 @pytest.mark.parametrize("args, expected", BAD_OPTIONS, ids=[" ".join(a) for a, _ in BAD_OPTIONS])
 def test_bad_option_is_one_clear_line(default_project, baked_train, tmp_path, args, expected, capsys, monkeypatch):
     (tmp_path / "a-file").write_text("not a folder")
@@ -73,7 +72,6 @@ def test_bad_option_under_torchrun_stops_every_rank_with_the_same_line(default_p
       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
      "error: inconsistent torchrun environment: RANK=2 with WORLD_SIZE=2"),
 ], ids=["partial", "inconsistent"])
-@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # @record, under captured stderr
 def test_broken_launch_environment_is_refused(baked_train, tmp_path, environment, expected, capsys, monkeypatch):
     for name, value in environment.items():
         monkeypatch.setenv(name, value)

@@ -177,10 +177,10 @@ def store_of_this_attempt(env: DistEnv, timeout: timedelta) -> tuple[dist.Store,
     deadline = time.monotonic() + timeout.total_seconds()
     while time.monotonic() < deadline:
         host, port, token = shared.get(key).decode().split()  # waits for rank 0's first entry
-        if listening(host, int(port)):  # a stale entry's store died with its rank 0: refused at once
+        address = StoreAddress(host, int(port))
+        if listening(address.host, address.port):  # a stale entry's store died with its rank 0: refused at once
             # A short timeout: the stale port may since have been taken by something that is not our store.
             with contextlib.suppress(RuntimeError):
-                address = StoreAddress(host, int(port))
                 candidate = address.connect(timedelta(seconds=5))
                 if candidate.get("token").decode() == token:
                     candidate.set_timeout(timeout)
