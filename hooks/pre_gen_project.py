@@ -6,7 +6,9 @@ which makes cookiecutter delete the half-made folder.
 
 import json
 import keyword
+import os
 import re
+import subprocess
 import sys
 
 # Every answer as JSON (pure ASCII: quotes, backslashes, newlines and emoji all arrive escaped), read back by
@@ -101,11 +103,46 @@ CHECKS = {
 }
 
 
+# Runs detached from cookiecutter: waits until cookiecutter has removed the refused project folder (it does so
+# right after this hook exits), then removes the empty folders it made above it for a slug such as `a/b`.
+# Cookiecutter creates the project folder with all its parents before this hook runs, and removes only the
+# project folder itself when the hook refuses. It stops at the first folder that holds anything, and never
+# goes up to the output folder or above it: those existed before the bake.
+REMOVE_EMPTY_PARENTS = """
+import os, sys, time
+project, output = sys.argv[1], sys.argv[2]
+deadline = time.monotonic() + 10
+while os.path.lexists(project) and time.monotonic() < deadline:
+    time.sleep(0.02)
+if not os.path.lexists(project):
+    stop = os.path.commonpath([project, output])
+    folder = os.path.dirname(project)
+    while len(folder) > len(stop):
+        try:
+            os.rmdir(folder)
+        except OSError:
+            break
+        folder = os.path.dirname(folder)
+"""
+
+
+def remove_empty_parents_once_refused(project_folder: str, output_folder: str) -> None:
+    if os.path.dirname(project_folder) == output_folder:
+        return  # a plain slug: cookiecutter's own removal leaves nothing
+    subprocess.Popen([sys.executable, "-c", REMOVE_EMPTY_PARENTS, project_folder, output_folder],
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                     start_new_session=True)
+
+
 def main() -> int:
     problems = [(name, check(str(ANSWERS[name]))) for name, check in CHECKS.items()]
     problems = [(name, problem) for name, problem in problems if problem]
     for name, problem in problems:
         print(f"ERROR: {name}: {problem}", file=sys.stderr)
+    if problems:
+        output_folder = ANSWERS.get("_output_dir")  # set by cookiecutter since 2.2
+        if output_folder:  # this hook runs inside the project folder
+            remove_empty_parents_once_refused(os.path.realpath(os.getcwd()), os.path.realpath(output_folder))
     return 1 if problems else 0
 
 

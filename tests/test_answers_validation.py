@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import re
+import time
+from pathlib import Path
 
 import pytest
 
 from conftest import bake_with_cli
+
+
+def assert_left_behind(folder: Path, expected: set[str], timeout: float = 10) -> None:
+    """Cookiecutter makes every parent of the project folder before the hook refuses; the hook's cleanup of
+    the empty ones runs just after cookiecutter exits, so allow it a moment."""
+    deadline = time.monotonic() + timeout
+    while (left := {str(path.relative_to(folder)) for path in folder.rglob("*")}) != expected:
+        assert time.monotonic() < deadline, f"a refused bake left {sorted(left)} in {folder}"
+        time.sleep(0.05)
 
 INVALID_ANSWERS = [
     ({"project_slug": "My Project"}, "project_slug", "safe folder name"),
@@ -48,7 +59,21 @@ def test_invalid_answer_is_refused_and_nothing_is_generated(tmp_path, answers, v
     assert any(line.startswith(f"ERROR: {variable}: ") and message in line for line in errors), result.stderr
     # An answer derived from a bad one (package_name from project_slug) may be reported too, in the same form.
     assert all(re.match(r"ERROR: [a-z_]+: \S", line) for line in errors), result.stderr
-    assert list(tmp_path.iterdir()) == [], "a refused bake must leave no folder behind"
+    assert_left_behind(tmp_path, set())
+
+
+def test_refused_nested_slug_removes_only_the_folders_the_bake_made(tmp_path):
+    existing = tmp_path / "existing_empty"
+    existing.mkdir()
+    result = bake_with_cli(existing, project_slug="a/b/c")
+    assert result.returncode != 0 and "ERROR: project_slug: " in result.stderr, result.stderr
+    assert_left_behind(tmp_path, {"existing_empty"})  # the output folder existed before the bake: it stays
+
+    (existing / "x").mkdir()
+    (existing / "x" / "notes.txt").write_text("ours")
+    result = bake_with_cli(existing, project_slug="x/y/z")
+    assert result.returncode != 0 and "ERROR: project_slug: " in result.stderr, result.stderr
+    assert_left_behind(tmp_path, {"existing_empty", "existing_empty/x", "existing_empty/x/notes.txt"})
 
 
 def test_project_name_without_any_letters_is_refused(tmp_path):

@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import bake_command, bake_with_cli, build_wheel, main_in_this_process, run, run_in_terminal
+from conftest import (
+    TEMPLATE_ROOT,
+    bake_command,
+    bake_with_cli,
+    build_wheel,
+    main_in_this_process,
+    run,
+    run_in_terminal,
+)
 
 DEFAULT_FILES = {
     ".cookiecutter.json", ".gitignore", "MANIFEST.in", "README.md", "pyproject.toml", "run_node.sh", "train.py",
@@ -30,6 +38,15 @@ CHOICES = [
     {"nproc_per_node": "auto"}, {"nproc_per_node": "gpu"}, {"nproc_per_node": "cpu"}, {"nproc_per_node": "8"},
     {"rdzv_port": "1"}, {"rdzv_port": "65535"}, {"max_restarts": "0"}, {"max_restarts": "10"},
 ]
+
+
+def test_template_top_level_is_the_cards_layout():
+    tracked = run(["git", "ls-files"], cwd=TEMPLATE_ROOT, timeout=30).stdout.split()
+    top_level = {name.split("/", 1)[0] for name in tracked}
+    assert top_level == {
+        "cookiecutter.json", "hooks", "{{cookiecutter.project_slug}}", "tests", "README.md",  # the card's five
+        "Makefile", "benchmarks", ".ci", "pyproject.toml", "requirements-dev.txt", ".gitignore",  # our tooling
+    }
 
 
 def project_files(project: Path) -> set[str]:

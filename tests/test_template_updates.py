@@ -113,6 +113,42 @@ def test_cruft_update_brings_template_changes_and_keeps_user_edits(template_repo
     assert "is up to date" in cruft(project, "check")  # and exits 0
 
 
+def test_cruft_update_from_a_bake_made_before_the_template_folder_was_renamed(template_repo, tmp_path):
+    # Before the rename the project folder was `{{cookiecutter.__project_folder}}`, a private variable that
+    # .cruft.json of such a bake still records. Rebuild that layout as the old version, and update to today's.
+    today = {path.relative_to(template_repo): path.read_bytes() for path in template_repo.rglob("*")
+             if path.is_file() and ".git" not in path.relative_to(template_repo).parts}
+    git(template_repo, "mv", "{{cookiecutter.project_slug}}", "{{cookiecutter.__project_folder}}")
+    questions = json.loads((template_repo / "cookiecutter.json").read_text())
+    questions = {**{key: value for key, value in questions.items() if key != "__prompts__"},
+                 "__project_folder": "{{ cookiecutter.project_slug | replace('/', '-') }}",
+                 "__prompts__": questions["__prompts__"]}
+    (template_repo / "cookiecutter.json").write_text(json.dumps(questions, indent=2))
+    commit_all(template_repo, "template before the rename")
+    project = cruft_create(template_repo, tmp_path / "projects", project_name=PROJECT_NAME, strategy="fsdp2")
+    assert "__project_folder" in json.loads((project / ".cruft.json").read_text())["context"]["cookiecutter"]
+    git(project, "init", "--quiet")
+    commit_all(project, "baked")
+    train = project / "train.py"
+    train.write_text(train.read_text() + "# our change\n")
+    commit_all(project, "our change")
+
+    git(template_repo, "rm", "-r", "--quiet", ".")
+    for relative, content in today.items():
+        (template_repo / relative).parent.mkdir(parents=True, exist_ok=True)
+        (template_repo / relative).write_bytes(content)
+    new_commit = commit_all(template_repo, "template folder renamed")
+    status, output = run_in_terminal([str(BIN / "cruft"), "update", "--skip-apply-ask"], cwd=project, **GIT_ENV)
+    assert status == 0, output
+    assert json.loads((project / ".cruft.json").read_text())["commit"] == new_commit
+    assert train.read_text().endswith("# our change\n"), "the user's edit must survive the update"
+    assert sorted(path.name for path in (tmp_path / "projects").iterdir()) == [project.name]
+    assert not list(project.rglob("*.rej")), "the update must apply without conflicts"
+    assert "is up to date" in cruft(project, "check")
+    status, output = run_in_terminal([str(BIN / "cruft"), "diff", "--exit-code"], cwd=project, **GIT_ENV)
+    assert status != 0 and "# our change" in output, output  # the only difference is the user's
+
+
 def test_cruft_diff_output_is_only_the_diff(template_repo, tmp_path):
     project = cruft_create(template_repo, tmp_path / "projects")
     (project / "train.py").write_text((project / "train.py").read_text() + "# our change\n")
