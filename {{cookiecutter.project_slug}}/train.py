@@ -39,7 +39,12 @@ from {{ cookiecutter.package_name }}.distributed import (
 from {{ cookiecutter.package_name }}.metrics import build_meter, describe_job, evaluate, log, setup_logging
 from {{ cookiecutter.package_name }}.optim import MixedPrecision, build_lr_schedule, planned_steps, resolve_precision
 from {{ cookiecutter.package_name }}.options import TrainOptions, UsageError, parse_options
-from {{ cookiecutter.package_name }}.parallel import gradient_sync, uses_channels_last, wrap_model
+from {{ cookiecutter.package_name }}.parallel import (
+    check_replicas_match,
+    gradient_sync,
+    uses_channels_last,
+    wrap_model,
+)
 from {{ cookiecutter.package_name }}.reproducibility import seed_and_choose_kernels
 from {{ cookiecutter.package_name }}.watchdog import Watchdog
 
@@ -58,14 +63,14 @@ def train(options: TrainOptions, env: DistEnv, device: torch.device, store: Stor
     model = model.to(memory_format=torch.channels_last) if channels_last else model
     amp = MixedPrecision(resolve_precision(options.precision, device), device)
     # Forward and backward through training_model (DDP or FSDP2, maybe compiled); save and evaluate `model`.
-    training_model = wrap_model(model, device, options.strategy, options.compile, options.grad_accum,
-                                param_dtype=amp.param_dtype)
+    training_model = wrap_model(model, device, options.strategy, options.compile, param_dtype=amp.param_dtype)
     optimizer = task.build_optimizer(model, options)  # after wrapping: FSDP2 swaps in sharded parameters
     steps_per_epoch = len(train_loader) // options.grad_accum
     lr_schedule = build_lr_schedule(optimizer, options, steps_per_epoch)
     checkpointer = build_checkpointer(options, env, device, model=model, optimizer=optimizer,
                                       lr_schedule=lr_schedule, grad_scaler=amp)
     progress = checkpointer.resume()
+    first_step = progress.step + 1  # of this run
     if options.eval_every:  # one held-out batch now, so a bug in the evaluation path shows before training
         with watchdog.slow_phase("checking evaluation on one batch"):
             evaluate(model, eval_loader, device, amp, task, max_batches=1)
@@ -96,6 +101,8 @@ def train(options: TrainOptions, env: DistEnv, device: torch.device, store: Stor
             meter.end_step(progress.step, progress.epoch, lr_schedule.get_last_lr()[0], grad_norm)  # this step's lr
             lr_schedule.step()
             watchdog.beat(progress.step)
+            if progress.step == first_step and check_replicas_match(model, progress.step):  # again at each save
+                log.info("step %d: every rank holds the same parameters", progress.step)
             if progress.step % options.ckpt_every == 0:
                 with watchdog.slow_phase("saving a checkpoint"):
                     checkpointer.save(progress)

@@ -1,5 +1,6 @@
 """Data parallelism for the model: DDP replicas or FSDP2 shards (and torch.compile on top), gradient-sync
-control for accumulation, and the buffer sync that neither does between steps."""
+control for accumulation, the buffer sync that neither does between steps, and the check that DDP's replicas
+are one model."""
 
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from .distributed import all_reduce
+from .options import UsageError
+
 log = logging.getLogger(__name__)
 
 
 def wrap_model(model: torch.nn.Module, device: torch.device, strategy: str = "ddp", compile_model: bool = False,
-               grad_accum: int = 1, param_dtype: torch.dtype | None = None) -> torch.nn.Module:
+               param_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """The module to run forward and backward through, compiled when asked.
 
     ddp: DDP replicas over the already-placed model (none for a single rank); save, load and evaluate the
@@ -31,10 +35,11 @@ def wrap_model(model: torch.nn.Module, device: torch.device, strategy: str = "dd
             model, device_ids=[device.index] if device.type == "cuda" else None,
             # Gradients are views into the all-reduce buckets: no copy in or out of them, less memory.
             gradient_as_bucket_view=True,
-            # Same parameters used every step, so DDP can skip its per-step search for unused ones. Not with
-            # no_sync accumulation (pytorch/pytorch#143580) or compile. If you edit the model so that some
-            # parameters skip some steps, drop this.
-            static_graph=grad_accum == 1 and not compile_model,
+            # static_graph stays off: with it, a model whose forward returns an object DDP cannot look into (a
+            # plain dataclass, not a registered pytree node) has its gradients never all-reduced, without an
+            # error, and each rank trains a model of its own (pytorch/pytorch#106690). check_replicas_match
+            # would stop such a job, but what static_graph saves is small (DDP's per-step search for unused
+            # parameters does not run anyway with find_unused_parameters=False).
         )
     if compile_model:
         # Compiling the DDP module lets dynamo split graphs at bucket boundaries, keeping the all-reduce
@@ -126,6 +131,37 @@ def sync_buffers_from_main(model: torch.nn.Module) -> None:
     if dist.is_initialized():
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
+
+
+def check_replicas_match(model: nn.Module, step: int) -> int:
+    """Stop the job unless every rank holds the same parameters (a collective: one small all-reduce); returns
+    how many parameters were compared (0: nothing to compare).
+
+    DDP keeps replicas equal only while every gradient is all-reduced and nothing else writes to parameters,
+    and a loss that falls shows neither. Each rank sums the bits of every parameter (read as integers, so any
+    flipped bit counts); one all-reduce of (sums, -sums) with MAX gives every rank each sum's largest and
+    smallest value. `model` is the unwrapped model. FSDP2 shards differ by design: nothing to compare."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or isinstance(model, FSDPModule):
+        return 0
+    names, parameters = zip(*model.named_parameters(), strict=True)
+    sums = torch.stack([bit_sum(parameter) for parameter in parameters])
+    extremes = all_reduce(torch.cat([sums, -sums]), "max")
+    differing = (extremes[:len(sums)] != -extremes[len(sums):]).nonzero().flatten().tolist()
+    if differing:
+        raise UsageError(
+            f"the ranks hold different models after step {step}: parameter {names[differing[0]]!r} differs (and "
+            f"{len(differing) - 1} more of {len(names)}). DDP did not all-reduce every gradient, or something "
+            "changed parameters outside the optimizer: a forward whose output DDP cannot look into (a dataclass "
+            "not registered with torch.utils._pytree), code that depends on the rank, or an in-place update of "
+            "a parameter; fix the model or loss in task.py")
+    return len(names)
+
+
+def bit_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum of a tensor's elements read as integers of their width: equal tensors give equal sums, and a
+    change of any one bit changes it."""
+    as_integers = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+    return tensor.detach().contiguous().view(as_integers).sum(dtype=torch.int64)
 
 
 def uses_channels_last(model: torch.nn.Module, device: torch.device, requested: bool | None) -> bool:

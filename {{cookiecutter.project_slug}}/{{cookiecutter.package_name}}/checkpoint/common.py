@@ -16,7 +16,7 @@ import torch
 
 from ..distributed import DistEnv, all_reduce_int, barrier, broadcast_object
 from ..options import TrainOptions, UsageError, flag
-from ..parallel import sync_buffers_from_main
+from ..parallel import check_replicas_match, sync_buffers_from_main
 from ..reproducibility import restore_cuda_rng_state
 
 log = logging.getLogger("{{ cookiecutter.package_name }}.checkpoint")
@@ -148,6 +148,7 @@ class Checkpointer:
             return
         self.last_saved_step = progress.step
         started = time.perf_counter()
+        check_replicas_match(self.components["model"], progress.step)  # never save one rank's model of several
         sync_buffers_from_main(self.components["model"])  # one canonical copy of BatchNorm statistics
         written = self.write(progress)
         if written is not None:

@@ -1,0 +1,114 @@
+"""One model across ranks: nothing the template chooses stops DDP's gradient sync without an error, and a job
+whose ranks hold different parameters is stopped with one line (the replica check at the first step of a run
+and before every save)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import checkpoint, run
+
+pytestmark = pytest.mark.slow  # torchrun jobs: `make test-fast` leaves these out
+
+TINY = ["--data", "fake", "--fake-samples", "256", "--image-size", "16", "--batch-size", "8", "--num-workers", "0",
+        "--device", "cpu", "--max-steps", "6", "--ckpt-every", "3", "--keep-checkpoints", "10", "--eval-every", "0"]
+
+# A model whose forward returns a plain dataclass, as hand-written models and older Hugging Face-style code do.
+# DDP cannot look into it (it is no registered pytree node): with static_graph=True, DDP then never all-reduces
+# a gradient (pytorch/pytorch#106690), and each rank trains a model of its own.
+DATACLASS_OUTPUT = '''
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class ClassifierOutput:
+    logits: torch.Tensor
+
+
+class ReturnsDataclass(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, images: torch.Tensor) -> ClassifierOutput:
+        return ClassifierOutput(self.inner(images))
+
+
+@register_model("dataclass_cnn")
+def dataclass_cnn(options, train_set):
+    return ReturnsDataclass(small_cnn(options, train_set))
+
+
+_tensor_loss = compute_loss
+
+
+def compute_loss(outputs, targets):
+    return _tensor_loss(getattr(outputs, "logits", outputs), targets)
+'''
+
+# Code that depends on the rank and writes to a parameter outside the optimizer: DDP cannot see it.
+RANK_DEPENDENT = '''
+
+import torch.distributed as dist
+
+
+class NudgedOnRankOne(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        if self.training and dist.get_rank() == 1:
+            with torch.no_grad():
+                self.inner[-1].bias.add_(1e-3)  # e.g. a hand-rolled running statistic kept in a parameter
+        return self.inner(images)
+
+
+@register_model("nudged_cnn")
+def nudged_cnn(options, train_set):
+    return NudgedOnRankOne(small_cnn(options, train_set))
+'''
+
+
+def project_with(default_project: Path, tmp_path: Path, addition: str) -> Path:
+    project = shutil.copytree(default_project, tmp_path / "project")
+    task = project / "ddp_training" / "task.py"
+    task.write_text(task.read_text() + addition)
+    return project
+
+
+def torchrun(project: Path, ckpt_dir: Path, *args: str):
+    return run(["torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=0", "train.py", *TINY,
+                "--ckpt-dir", str(ckpt_dir), *args], cwd=project)
+
+
+def test_a_model_returning_a_dataclass_trains_one_model_on_every_rank(default_project, tmp_path):
+    project = project_with(default_project, tmp_path, DATACLASS_OUTPUT)
+    result = torchrun(project, tmp_path / "ckpt", "--model", "dataclass_cnn")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "step 1: every rank holds the same parameters" in result.stderr, result.stderr[-4000:]
+    # The same samples through a tensor-returning copy of the model: the same weights, so gradients were synced.
+    reference = torchrun(default_project, tmp_path / "reference", "--model", "small_cnn")
+    assert reference.returncode == 0, reference.stderr[-4000:]
+    trained, expected = checkpoint(tmp_path / "ckpt", 6)["model"], checkpoint(tmp_path / "reference", 6)["model"]
+    assert [name.removeprefix("inner.") for name in trained] == list(expected)
+    for name, tensor in expected.items():
+        assert (trained[f"inner.{name}"] - tensor).abs().max() < 1e-6, name
+
+
+def test_ranks_that_hold_different_models_stop_the_job_with_one_line(default_project, tmp_path):
+    project = project_with(default_project, tmp_path, RANK_DEPENDENT)
+    result = torchrun(project, tmp_path / "ckpt", "--model", "nudged_cnn")
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        "error: the ranks hold different models after step 1: parameter 'inner.5.bias' differs (and 0 more of "
+        "14). DDP did not all-reduce every gradient, or something changed parameters outside the optimizer: a "
+        "forward whose output DDP cannot look into (a dataclass not registered with torch.utils._pytree), code "
+        "that depends on the rank, or an in-place update of a parameter; fix the model or loss in task.py"
+    ], result.stderr[-4000:]
+    assert not list((tmp_path / "ckpt").glob("step-*.pt")), "no checkpoint of one rank's model is written"
