@@ -101,6 +101,11 @@ class TrainOptions:
     ckpt_dir: str = option("checkpoints", "checkpoints go here; training resumes from the newest one")
     ckpt_every: int = option(500, "save a checkpoint every this many optimizer steps (and at the end)")
     keep_checkpoints: int = option(2, "keep the newest this many checkpoints, delete older ones")
+    resume_changed_state: bool = option(
+        False, "resume from a checkpoint whose entries differ from what this code saves (state added to or "
+        "removed from build_checkpointer in train.py, fields added to TrainingProgress): new entries start "
+        "fresh, entries this code no longer saves are dropped, and both are logged. Without it such a "
+        "checkpoint stops the job")
     device: Literal["auto", "cpu", "cuda"] = option(
         "auto", "auto: cuda:LOCAL_RANK when CUDA is available, else cpu")
     num_workers: int = option(2, "DataLoader worker processes per rank")

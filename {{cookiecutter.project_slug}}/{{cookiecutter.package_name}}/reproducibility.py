@@ -1,4 +1,4 @@
-"""Random state and kernel choice: seeding, the per-rank CUDA generators a checkpoint carries, and whether
+"""Random state and kernel choice: seeding, the per-rank generators a checkpoint carries, and whether
 cuDNN may pick its convolution algorithms by timing them."""
 
 from __future__ import annotations
@@ -36,21 +36,30 @@ def cuda_seed(seed: int, rank: int) -> int:
     return (seed * 1_000_003 + rank) % 2**63
 
 
-def gather_cuda_rng_states(env: DistEnv, device: torch.device) -> list[list[int]]:
-    """Every rank's CUDA generator state, indexed by rank (empty lists without CUDA). A collective: each rank
-    fills its own row of a zero table and the all-reduce sum completes it on every rank. Plain lists of ints,
-    so the .pt file loads with weights_only=True and DCP stores the list whole, whatever the world size."""
-    if device.type != "cuda":
-        return [[] for _ in range(env.world_size)]
-    own = torch.cuda.get_rng_state(device)
-    table = torch.zeros(env.world_size, own.numel(), dtype=torch.int64, device=device)
-    table[env.rank] = own.to(device=device, dtype=torch.int64)
-    return all_reduce_sum(table).tolist()
+def gather_rng_states(env: DistEnv, device: torch.device) -> dict[str, list[list[int]]]:
+    """Every rank's CPU and CUDA generator states, indexed by rank: {"cpu_rng_states": rows, "cuda_rng_states":
+    rows} (CUDA's rows are empty without CUDA). Ranks draw differently once their batches differ (per-sample
+    shapes, CPU dropout on different lengths), so each rank's own state is saved, not the writer's. A
+    collective: each rank fills its own row of a zero table and the all-reduce sum completes it on every rank.
+    Plain lists of ints, so the .pt file loads with weights_only=True and DCP stores the lists whole, whatever
+    the world size."""
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.zeros(0, dtype=torch.uint8)
+    table = torch.zeros(env.world_size, cpu.numel() + cuda.numel(), dtype=torch.int64, device=device)
+    table[env.rank] = torch.cat([cpu, cuda]).to(device=device, dtype=torch.int64)
+    rows = all_reduce_sum(table).tolist()
+    return {"cpu_rng_states": [row[:cpu.numel()] for row in rows],
+            "cuda_rng_states": [row[cpu.numel():] for row in rows]}
 
 
-def restore_cuda_rng_state(states: list[list[int]] | None, env: DistEnv, device: torch.device) -> None:
-    """Continue this rank's CUDA generator where the checkpoint left it. Nothing to do without CUDA, for a
-    checkpoint saved without it, or for a rank the saving job did not have: that rank keeps its fresh seed."""
-    if device.type != "cuda" or not states or env.rank >= len(states) or not states[env.rank]:
-        return
-    torch.cuda.set_rng_state(torch.tensor(states[env.rank], dtype=torch.uint8), device)
+def restore_rng_states(state: dict, env: DistEnv, device: torch.device) -> None:
+    """Continue this rank's generators where the checkpoint left them. A rank the saving job did not have (the
+    job grew) takes the CPU state of the rank that wrote the file (torch_rng_state) and keeps its fresh CUDA
+    seed; so does a checkpoint saved before per-rank CPU states were."""
+    cpu_states, cuda_states = state.get("cpu_rng_states") or [], state.get("cuda_rng_states") or []
+    if env.rank < len(cpu_states):
+        torch.set_rng_state(torch.tensor(cpu_states[env.rank], dtype=torch.uint8))
+    else:
+        torch.set_rng_state(state["torch_rng_state"])
+    if device.type == "cuda" and env.rank < len(cuda_states) and cuda_states[env.rank]:
+        torch.cuda.set_rng_state(torch.tensor(cuda_states[env.rank], dtype=torch.uint8), device)

@@ -9,7 +9,7 @@ import os
 import tempfile
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -17,14 +17,15 @@ import torch
 from ..distributed import DistEnv, all_reduce_int, barrier, broadcast_object
 from ..options import TrainOptions, UsageError, flag
 from ..parallel import check_replicas_match, sync_buffers_from_main
-from ..reproducibility import restore_cuda_rng_state
+from ..reproducibility import restore_rng_states
 
 log = logging.getLogger("{{ cookiecutter.package_name }}.checkpoint")
 
 
 @dataclass
 class TrainingProgress:
-    """Where training stands: what a resumed run needs besides weights and optimizer state."""
+    """Where training stands: what a resumed run needs besides weights and optimizer state. Every field is
+    saved and restored; a field you add is a new entry for checkpoints saved before it (--resume-changed-state)."""
 
     step: int = 0  # optimizer steps completed
     epoch: int = 0
@@ -81,7 +82,7 @@ EFFECT_OF_CHANGING = {
     "grad_accum": "this epoch continues with its unseen samples, in steps of the new size",
 }
 # Expected to change between runs of one job; not worth a line.
-CHANGED_BY_EVERY_RESUME = ("max_steps", "ckpt_dir")
+CHANGED_BY_EVERY_RESUME = ("max_steps", "ckpt_dir", "resume_changed_state")
 
 
 def check_resumed_options(saved: dict | None, options: TrainOptions, source: Path) -> None:
@@ -162,20 +163,45 @@ class Checkpointer:
             return TrainingProgress()
         source, saved_options = newest
         check_resumed_options(saved_options, self.options, source)
+        entries, progress_fields = self.saved_entries(source)
+        restored = self.check_saved_entries(source, entries, progress_fields)
         try:
-            state = self.read(source)
-            for name in self.components.keys() - self.restored_by_read:
+            state = self.read(source, restored)
+            for name in restored - self.restored_by_read:
                 self.components[name].load_state_dict(state[name])
         except (RuntimeError, ValueError, KeyError) as error:
             raise checkpoint_mismatch(source, error) from None
-        torch.set_rng_state(state["torch_rng_state"])
-        restore_cuda_rng_state(state.get("cuda_rng_states"), self.env, self.device)
+        restore_rng_states(state, self.env, self.device)
         saved = state["progress"]
-        progress = TrainingProgress(saved["step"], saved["epoch"], saved["samples_in_epoch"])
+        progress = TrainingProgress(**{spec.name: saved[spec.name] for spec in fields(TrainingProgress)
+                                       if spec.name in progress_fields})
         self.last_saved_step = progress.step
         log.info("resuming from %s (step %d, epoch %d, %d samples into the epoch, saved by %d ranks)",
                  source, progress.step, progress.epoch, progress.samples_in_epoch, saved["world_size"])
         return progress
+
+    def check_saved_entries(self, source: Path, entries: set[str], progress_fields: set[str]) -> set[str]:
+        """The components to restore from `source`. A checkpoint that does not hold what this code saves (state
+        added to or removed from build_checkpointer, a field added to TrainingProgress) loads but cannot be
+        resumed exactly: stop with one line, unless --resume-changed-state says to go on without them."""
+        new = sorted(self.components.keys() - entries) + [
+            f"TrainingProgress.{spec.name}" for spec in fields(TrainingProgress) if spec.name not in progress_fields]
+        gone = sorted(entries - self.components.keys())
+        if not (new or gone):
+            return set(self.components)
+        difference = "; ".join(part for part in (
+            f"this code saves {', '.join(new)}, which it lacks" if new else "",
+            f"it holds {', '.join(gone)}, which this code no longer saves" if gone else "") if part)
+        if not self.options.resume_changed_state:
+            raise UsageError(f"{source} does not hold what this code saves: {difference}. Resume with the code "
+                             "that wrote it, or pass --resume-changed-state once to start the new entries fresh "
+                             "from it and drop the others")
+        log.warning("--resume-changed-state: %s; new entries start fresh, the others are dropped", difference)
+        return set(self.components) & entries
+
+    def saved_entries(self, source: Path) -> tuple[set[str], set[str]]:
+        """(names of the components `source` holds, names of the TrainingProgress fields it holds)."""
+        raise NotImplementedError
 
     restored_by_read: frozenset[str] = frozenset()  # components read() restores itself
 
@@ -187,7 +213,7 @@ class Checkpointer:
         """(checkpoint, the options it recorded) of the newest valid one, the same on every rank."""
         raise NotImplementedError
 
-    def read(self, source: Path) -> dict:
-        """The state of `source`: each component's state_dict, torch_rng_state, cuda_rng_states, and progress
-        (step, epoch, samples_in_epoch, world_size)."""
+    def read(self, source: Path, components: set[str]) -> dict:
+        """The state of `source`: the named components' state_dicts, torch_rng_state, cpu_ and cuda_rng_states,
+        and progress (TrainingProgress's fields and world_size)."""
         raise NotImplementedError

@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 import re
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
 
 from ..distributed import all_reduce_int, broadcast_object
-from ..reproducibility import gather_cuda_rng_states
+from ..reproducibility import gather_rng_states
 from .common import Checkpointer, TrainingProgress, elect_writers, fsync_directory, log
 
 CHECKPOINT_NAME = re.compile(r"step-(\d+)\.pt")
@@ -50,26 +50,34 @@ def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
-REQUIRED_KEYS = {"model", "optimizer", "step", "epoch", "samples_in_epoch", "torch_rng_state"}
+# What makes a file one of our checkpoints; which components it holds is checked on resume (common.py).
+FORMAT_KEYS = {"step", "epoch", "samples_in_epoch", "torch_rng_state"}
+NOT_COMPONENTS = FORMAT_KEYS | {"world_size", "cpu_rng_states", "cuda_rng_states", "options", "entries"}
 
 
-def load_newest_valid(ckpt_dir: Path, required_keys: set[str] = REQUIRED_KEYS) -> tuple[Path, dict] | None:
-    """The newest checkpoint that loads and is complete; bad ones are skipped with a warning naming them."""
+def load_newest_valid(ckpt_dir: Path) -> tuple[Path, dict] | None:
+    """The newest checkpoint that loads. One that does not (truncated, corrupt) is renamed to
+    <name>.unreadable, out of the way of resuming and retention but kept, with a warning naming it."""
     for step, path in list_checkpoints(ckpt_dir):
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
-            missing = required_keys - set(state)
+            missing = FORMAT_KEYS - set(state)
             if missing or state["step"] != step:
                 raise ValueError(f"missing {sorted(missing)}" if missing else f"holds step {state['step']}")
             return path, state
         except Exception as error:  # noqa: BLE001 - any unreadable file is skipped, loudly
-            log.warning("skipping unreadable checkpoint %s (%s: %s)", path, type(error).__name__, error)
+            kept = path.with_name(f"{path.name}.unreadable")
+            os.replace(path, kept)
+            log.warning("skipping unreadable checkpoint %s (%s: %s); kept as %s", path, type(error).__name__,
+                        str(error).strip().splitlines()[0] if str(error).strip() else "", kept.name)
     return None
 
 
-def delete_old_checkpoints(ckpt_dir: Path, keep: int) -> None:
+def delete_old_checkpoints(ckpt_dir: Path, keep: int, just_written: Path) -> None:
+    """Keep the newest `keep` checkpoints by step, and always the one just written."""
     for _, path in list_checkpoints(ckpt_dir)[keep:]:
-        path.unlink(missing_ok=True)
+        if path != just_written:
+            path.unlink(missing_ok=True)
 
 
 def training_state(components: dict, progress: TrainingProgress, world_size: int) -> dict:
@@ -78,6 +86,7 @@ def training_state(components: dict, progress: TrainingProgress, world_size: int
         # "model" is the unwrapped model: no "module." or "_orig_mod." prefix.
         **{name: component.state_dict() for name, component in components.items()},
         **asdict(progress),
+        "entries": sorted(components),
         "world_size": world_size,
         "torch_rng_state": torch.get_rng_state(),
     }
@@ -94,7 +103,6 @@ class ReplicatedCheckpointer(Checkpointer):
 
     def __init__(self, options, env, device, **components):
         super().__init__(options, env, device, **components)
-        self.required_keys = REQUIRED_KEYS | set(components)
         self.is_writer, writers = elect_writers(self.ckpt_dir, env, device)
         log.info("checkpoints in %s, written by %d %s", self.ckpt_dir, writers,
                  "node (shared folder)" if writers == 1 else "nodes (node-local folders)")
@@ -106,18 +114,18 @@ class ReplicatedCheckpointer(Checkpointer):
         self._newest_state: dict | None = None
 
     def write(self, progress: TrainingProgress) -> Path | None:
-        cuda_rng_states = gather_cuda_rng_states(self.env, self.device)  # each rank's own, a collective
+        rng_states = gather_rng_states(self.env, self.device)  # each rank's own, a collective
         if not self.is_writer:
             return None
         path = checkpoint_path(self.ckpt_dir, progress.step)
         state = training_state(self.components, progress, self.env.world_size)
-        save_checkpoint_atomically({**state, "cuda_rng_states": cuda_rng_states,
+        save_checkpoint_atomically({**state, **rng_states,
                                     "options": asdict(self.options)}, path)
-        delete_old_checkpoints(self.ckpt_dir, self.keep)
+        delete_old_checkpoints(self.ckpt_dir, self.keep, just_written=path)
         return path
 
     def find_newest(self) -> tuple[Path, dict | None] | None:
-        newest = load_newest_valid(self.ckpt_dir, self.required_keys) if self.is_writer else None
+        newest = load_newest_valid(self.ckpt_dir) if self.is_writer else None
         own_step = newest[1]["step"] if newest else -1
         best_step = all_reduce_int(own_step, self.device, "max")
         if best_step < 0:
@@ -127,7 +135,14 @@ class ReplicatedCheckpointer(Checkpointer):
         path, self._newest_state = broadcast_object(newest if self.env.rank == source else None, source_rank=source)
         return path, self._newest_state.get("options")
 
-    def read(self, source: Path) -> dict:
+    def saved_entries(self, source: Path) -> tuple[set[str], set[str]]:
+        state = self._newest_state
+        progress_fields = {spec.name for spec in fields(TrainingProgress)} & set(state)
+        if "entries" in state:
+            return set(state["entries"]), progress_fields
+        return set(state) - NOT_COMPONENTS - progress_fields, progress_fields  # saved before "entries" was
+
+    def read(self, source: Path, components: set[str]) -> dict:
         state = self._newest_state
         self._newest_state = None
-        return {**state, "progress": state}  # a flat file: step, epoch, samples_in_epoch, world_size at the top
+        return {**state, "progress": state}  # a flat file: progress's fields and world_size at the top

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from ..distributed import barrier, broadcast_object
 from ..options import UsageError
-from ..reproducibility import gather_cuda_rng_states
+from ..reproducibility import gather_rng_states
 from .common import Checkpointer, TrainingProgress, elect_writers, fsync_directory, log
 
 CHECKPOINT_FOLDER = re.compile(r"step-(\d+)")
@@ -80,9 +80,9 @@ class ShardedCheckpointer(Checkpointer):
         # get_state_dict: parameter names without wrapper prefixes, optimizer state keyed by those names (not
         # by position), each rank's tensors only its shards, as DTensors DCP knows how to place.
         model_state, optimizer_state = get_state_dict(self.components["model"], self.components["optimizer"])
-        # The CPU generator is the same on every rank; the CUDA ones differ, so all ranks' are saved (a collective).
+        # Every rank's own CPU and CUDA generator states (a collective).
         return {"model": model_state, "optimizer": optimizer_state, "torch_rng_state": torch.get_rng_state(),
-                "cuda_rng_states": gather_cuda_rng_states(self.env, self.device),
+                **gather_rng_states(self.env, self.device),
                 "progress": {**asdict(progress), "world_size": world_size},
                 **{name: component.state_dict() for name, component in self.components.items()
                    if name not in self.restored_by_read}}  # lr schedule, gradient scaler: small, plain objects
@@ -95,7 +95,8 @@ class ShardedCheckpointer(Checkpointer):
             (partial / OPTIONS_FILE).write_text(json.dumps(asdict(self.options), indent=1))
             publish(partial, final)
             for _, old in list_sharded_checkpoints(self.ckpt_dir)[self.keep:]:
-                shutil.rmtree(old, ignore_errors=True)
+                if old != final:  # never the one just written, whatever steps older folders claim
+                    shutil.rmtree(old, ignore_errors=True)
         barrier(self.device)
         return final if self.env.is_main_process else None
 
@@ -113,12 +114,31 @@ class ShardedCheckpointer(Checkpointer):
         saved_options = candidates[0] / OPTIONS_FILE
         return candidates[0], json.loads(saved_options.read_text()) if saved_options.exists() else None
 
-    def read(self, source: Path) -> dict:
-        state = self._state(TrainingProgress(), world_size=0)  # the shape to fill
+    def saved_entries(self, source: Path) -> tuple[set[str], set[str]]:
+        top_level, progress_fields = saved_names(source)
+        empty = {name for name, component in self.components.items() if not component.state_dict()}
+        return (top_level | empty) - {"torch_rng_state", "cpu_rng_states", "cuda_rng_states", "progress"}, \
+            progress_fields
+
+    def read(self, source: Path, components: set[str]) -> dict:
+        top_level, progress_fields = saved_names(source)
+        # The shape to fill, less what the folder does not hold (DCP refuses a key it cannot find).
+        # An empty state (a disabled gradient scaler) adds no key to a folder, and none to the load either.
+        state = {name: value for name, value in self._state(TrainingProgress(), world_size=0).items()
+                 if (name in top_level or value == {}) and (name in components or name not in self.components)}
+        state["progress"] = {name: value for name, value in state["progress"].items()
+                             if name in progress_fields | {"world_size"}}
         dcp.load(state, checkpoint_id=source)  # into this rank's shards, from whichever ranks saved them
         set_state_dict(self.components["model"], self.components["optimizer"], model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+                       optim_state_dict=state.get("optimizer", {}))
         return state
+
+
+def saved_names(source: Path) -> tuple[set[str], set[str]]:
+    """(the top-level names a DCP folder holds, the progress fields it holds). Its metadata names every value by
+    its path in the state dict: model.<parameter>, progress.step, torch_rng_state."""
+    paths = [path.split(".") for path in dcp.FileSystemReader(str(source)).read_metadata().state_dict_metadata]
+    return {path[0] for path in paths}, {path[1] for path in paths if path[0] == "progress" and len(path) > 1}
 
 
 def publish(partial: Path, final: Path) -> None:

@@ -1,0 +1,151 @@
+"""What a resume restores and what it refuses: every rank's own random state, and a checkpoint that loads but
+does not match the code is never skipped in silence (no restart from step 0, no retention that deletes the
+newest work)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import BARE, assert_bitwise_equal, checkpoint, run
+
+pytestmark = pytest.mark.slow  # torchrun jobs: `make test-fast` leaves these out
+
+RUN = [*BARE[:-4], "--num-workers", "0"]  # the reference settings without loader workers and step limit
+assert BARE[-4:-2] == ["--num-workers", "2"] and BARE[-2] == "--max-steps"
+
+# Ranks whose CPU generators drift apart, as with per-rank variable lengths: rank r draws r + 1 numbers per
+# step before a CPU dropout, so the masks differ by rank, and a resume must give each rank its own state back.
+PER_RANK_DRAWS = '''
+
+import torch.distributed as dist
+
+
+class DropoutAfterPerRankDraws(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.dropout = nn.Dropout(0.1)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            torch.rand(1 + dist.get_rank())
+        return self.inner(self.dropout(images))
+
+
+@register_model("per_rank_draws")
+def per_rank_draws(options, train_set):
+    return DropoutAfterPerRankDraws(small_cnn(options, train_set))
+'''
+
+
+def project_with(default_project: Path, tmp_path: Path, addition: str) -> Path:
+    project = shutil.copytree(default_project, tmp_path / "project")
+    task = project / "ddp_training" / "task.py"
+    task.write_text(task.read_text() + addition)
+    return project
+
+
+def torchrun(project: Path, ckpt_dir: Path, *args: str):
+    result = run(["torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=0", "train.py", *RUN,
+                  "--ckpt-dir", str(ckpt_dir), *args], cwd=project)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def test_each_rank_resumes_its_own_cpu_random_state(default_project, tmp_path):
+    project = project_with(default_project, tmp_path, PER_RANK_DRAWS)
+    torchrun(project, tmp_path / "uninterrupted", "--model", "per_rank_draws", "--max-steps", "8")
+    torchrun(project, tmp_path / "resumed", "--model", "per_rank_draws", "--max-steps", "4")
+    torchrun(project, tmp_path / "resumed", "--model", "per_rank_draws", "--max-steps", "8")
+    resumed, uninterrupted = checkpoint(tmp_path / "resumed", 8), checkpoint(tmp_path / "uninterrupted", 8)
+    assert_bitwise_equal(resumed, uninterrupted)
+    rank_states = [torch.tensor(state, dtype=torch.uint8) for state in uninterrupted["cpu_rng_states"]]
+    assert len(rank_states) == 2 and not torch.equal(*rank_states), "the ranks' generators did drift apart"
+    assert resumed["cpu_rng_states"] == uninterrupted["cpu_rng_states"]
+
+
+def edited(project: Path, relative: str, old: str, new: str) -> None:
+    path = project / relative
+    text = path.read_text()
+    assert old in text, f"{relative} no longer holds {old!r}"
+    path.write_text(text.replace(old, new, 1))
+
+
+def torchrun_may_fail(project: Path, ckpt_dir: Path, *args: str):
+    return run(["torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=0", "train.py", *RUN,
+                "--ckpt-dir", str(ckpt_dir), *args], cwd=project)
+
+
+def error_lines(result) -> list[str]:
+    return [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error: ")]
+
+
+def test_a_checkpoint_that_loads_but_does_not_match_the_code_stops_the_job(default_project, tmp_path):
+    ckpt_dir = tmp_path / "ckpt"
+    torchrun(default_project, ckpt_dir, "--max-steps", "4")
+    project = shutil.copytree(default_project, tmp_path / "project")
+    # A loop edit: the optimizer registered under another name, as a user with two of them would.
+    edited(project, "train.py", "model=model, optimizer=optimizer,", "model=model, backbone_optimizer=optimizer,")
+    result = torchrun_may_fail(project, ckpt_dir, "--max-steps", "8")
+    assert result.returncode != 0
+    assert error_lines(result) == [
+        f"error: {ckpt_dir / 'step-4.pt'} does not hold what this code saves: this code saves backbone_optimizer, "
+        "which it lacks; it holds optimizer, which this code no longer saves. Resume with the code that wrote it, "
+        "or pass --resume-changed-state once to start the new entries fresh from it and drop the others"
+    ], result.stderr[-3000:]
+    assert "starting from scratch" not in result.stderr and "| loss " not in result.stderr
+    assert sorted(path.name for path in ckpt_dir.iterdir()) == ["step-4.pt"], "nothing deleted, nothing written"
+
+
+# State added to a job that already has checkpoints: a module whose buffer counts the steps (an EMA's shape).
+STEP_COUNTER = ("    progress = checkpointer.resume()\n",
+                "    progress = checkpointer.resume()\n"
+                "    assert int(step_counter.count) == (0 if resumed_fresh else progress.step)\n")
+
+
+def test_new_state_starts_fresh_on_request_and_retention_keeps_what_was_just_written(default_project, tmp_path):
+    ckpt_dir = tmp_path / "ckpt"
+    torchrun(default_project, ckpt_dir, "--max-steps", "4")
+    (ckpt_dir / "step-12.pt").write_bytes(b"truncated by a crash")  # a corrupt file with a higher step number
+    project = shutil.copytree(default_project, tmp_path / "project")
+    edited(project, "train.py", "model=model, optimizer=optimizer,",
+           "model=model, optimizer=optimizer, step_counter=step_counter,")
+    edited(project, "train.py", "    checkpointer = build_checkpointer(",
+           "    step_counter = torch.nn.Module()\n"
+           "    step_counter.register_buffer('count', torch.zeros((), dtype=torch.int64))\n"
+           "    resumed_fresh = options.resume_changed_state\n"
+           "    checkpointer = build_checkpointer(")
+    edited(project, "train.py", *STEP_COUNTER)
+    edited(project, "train.py", "            progress.advance(", "            step_counter.count += 1\n"
+                                                                  "            progress.advance(")
+
+    refused = torchrun_may_fail(project, ckpt_dir, "--max-steps", "8")
+    assert refused.returncode != 0 and "this code saves step_counter, which it lacks" in refused.stderr, \
+        refused.stderr[-3000:]
+    assert f"skipping unreadable checkpoint {ckpt_dir / 'step-12.pt'}" in refused.stderr
+    result = torchrun(project, ckpt_dir, "--max-steps", "8", "--keep-checkpoints", "1", "--resume-changed-state")
+    assert "--resume-changed-state: this code saves step_counter, which it lacks" in result.stderr
+    assert f"resuming from {ckpt_dir / 'step-4.pt'} (step 4" in result.stderr
+    assert sorted(path.name for path in ckpt_dir.iterdir()) == ["step-12.pt.unreadable", "step-8.pt"]
+    state = checkpoint(ckpt_dir, 8)
+    assert int(state["step_counter"]["count"]) == 4, "started fresh at the resumed step"
+    assert state["entries"] == ["grad_scaler", "lr_schedule", "model", "optimizer", "step_counter"]
+    # The next restart restores it like any other entry, without the flag.
+    edited(project, "train.py", *reversed(STEP_COUNTER))
+    torchrun(project, ckpt_dir, "--max-steps", "10")
+    assert int(checkpoint(ckpt_dir, 10)["step_counter"]["count"]) == 6
+
+
+def test_a_field_added_to_training_progress_is_restored(default_project, tmp_path):
+    project = shutil.copytree(default_project, tmp_path / "project")
+    edited(project, "ddp_training/checkpoint/common.py", "    samples_in_epoch: int = 0",
+           "    samples_in_epoch: int = 0\n    loss_weight: float = 1.0  # annealed with the step")
+    edited(project, "train.py", "            progress.advance(", "            progress.loss_weight *= 0.5\n"
+                                                                  "            progress.advance(")
+    torchrun(project, tmp_path / "ckpt", "--max-steps", "4")
+    torchrun(project, tmp_path / "ckpt", "--max-steps", "8")
+    assert checkpoint(tmp_path / "ckpt", 8)["loss_weight"] == 0.5 ** 8
