@@ -84,3 +84,45 @@ def test_a_usage_error_is_printed_once_per_job_and_not_restarted(default_project
     lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: --model 'nope' is not a torchvision classification"), \
         result.stdout + result.stderr
+
+
+# A confusion matrix as one sum (a tensor, not a number), and a collective inside the evaluation path, as a
+# loss that takes negatives from every rank has: with 129 held-out samples on 2 ranks, one rank has 9 batches
+# of 8 and the other 8, and a rank that stopped early would leave the other waiting in its collective.
+CONFUSION_AND_COLLECTIVE = '''
+
+import torch.distributed as dist
+
+_plain_sums, _plain_summary = evaluation_sums, summarize
+
+
+def evaluation_sums(outputs, targets):
+    every_rank = torch.ones(1)
+    dist.all_reduce(every_rank)
+    classes = outputs.shape[1]
+    predicted = outputs.argmax(dim=1)
+    confusion = torch.bincount(targets * classes + predicted, minlength=classes * classes).view(classes, classes)
+    return {**_plain_sums(outputs, targets), "confusion": confusion}
+
+
+def summarize(sums):
+    confusion = sums["confusion"]
+    return {**_plain_summary(sums), "confusion_total": float(confusion.sum()),
+            "confusion_accuracy": float(confusion.trace() / confusion.sum())}
+'''
+
+
+@pytest.mark.slow
+def test_evaluation_sums_any_shape_and_a_collective_in_it_does_not_hang(default_project, tmp_path):
+    project = shutil.copytree(default_project, tmp_path / "project")
+    task = project / "ddp_training" / "task.py"
+    task.write_text(task.read_text() + CONFUSION_AND_COLLECTIVE)
+    result = run(["torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=0", "train.py", "--model",
+                  "small_cnn", "--fake-samples", "516", "--image-size", "16", "--batch-size", "8", "--num-workers",
+                  "0", "--device", "cpu", "--max-steps", "4", "--io-timeout", "60", "--ckpt-dir", str(tmp_path / "c")],
+                 cwd=project, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [line] = [line for line in result.stderr.splitlines() if "eval loss" in line]
+    metrics = dict(re.findall(r"(\w+) ([\d.]+)", line.split("eval ", 1)[1]))
+    assert line.endswith("on 129 held-out samples") and float(metrics["confusion_total"]) == 129, line
+    assert metrics["confusion_accuracy"] == metrics["accuracy"], line

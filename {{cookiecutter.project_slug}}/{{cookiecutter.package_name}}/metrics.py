@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from .data import to_device
 from .distributed import (
     DistEnv,
     all_reduce_int,
@@ -25,7 +26,7 @@ from .distributed import (
 )
 from .optim import MixedPrecision
 from .options import TrainOptions, UsageError
-from .parallel import forward_is_collective, sync_buffers_from_main
+from .parallel import sync_buffers_from_main
 
 log = logging.getLogger("train")
 
@@ -51,41 +52,48 @@ def describe_job(env: DistEnv, device: torch.device) -> str:
 def evaluate(model: torch.nn.Module, loader, device: torch.device, amp: MixedPrecision, task,
              max_batches: int | None = None) -> dict[str, float]:
     """task.summarize of task.evaluation_sums added up over the held-out split and over ranks (not a mean of
-    per-rank means, which is wrong when shards differ in size). Forwards run under training's autocast: as
-    fast as training's, and the numbers are those of the model as trained. max_batches=1 is the check before
-    training starts: a bug in the evaluation path shows at step 0, not after hours of training."""
+    per-rank means, which is wrong when shards differ in size). A sum may be a tensor of any shape (a
+    confusion matrix, per-class counts): summarize gets it as a float if it has one element, else as a
+    tensor. Forwards run under training's autocast: as fast as training's, and the numbers are those of the
+    model as trained. max_batches=1 is the check before training starts: a bug in the evaluation path shows
+    at step 0, not after hours of training.
+
+    Every rank runs the same number of batches: FSDP2 all-gathers inside forward, and a loss may hold
+    collectives of its own (negatives from every rank), so a rank that stopped early would leave the others
+    waiting forever. Shards differ by up to one sample, so batch counts may too: a rank with fewer batches
+    repeats its last one, and its sums are not counted."""
     sync_buffers_from_main(model)  # every rank evaluates with the same BatchNorm statistics
     was_training = model.training
     model.eval()
     batches = len(loader) if max_batches is None else min(len(loader), max_batches)
-    lockstep = forward_is_collective(model)
-    if lockstep:
-        # FSDP2 all-gathers inside forward, so every rank must run as many forwards. Shards differ by up to one
-        # sample, so batch counts may too: agree on the most first (a collective, so before any forward), and
-        # a rank with fewer batches repeats its last one, uncounted.
-        most = all_reduce_int(batches, device, "max")
-        if all_reduce_int(batches, device, "min") == 0 < most:
-            raise UsageError("the held-out split has fewer samples than there are ranks; use more data")
-    names, totals, inputs = None, None, None
-    for index, (inputs, targets) in enumerate(loader):
+    most = all_reduce_int(batches, device, "max")
+    if all_reduce_int(batches, device, "min") == 0 < most:
+        raise UsageError("the held-out split has fewer samples than there are ranks; use more data")
+    totals, batch = None, None
+    for index, batch in enumerate(loader):
         if index == batches:
             break
-        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        batch = to_device(batch, device)
         with amp.autocast():
-            outputs = model(inputs)
-        sums = task.evaluation_sums(outputs, targets)
-        values = torch.stack([torch.as_tensor(value, device=device).double() for value in sums.values()])
-        names, totals = list(sums), values if totals is None else totals + values
-    if lockstep:
-        for _ in range(most - batches):
-            with amp.autocast():
-                model(inputs)
+            sums = task.evaluation_sums(model(batch[0]), batch[1])
+        values = {name: torch.as_tensor(value, device=device).double() for name, value in sums.items()}
+        totals = values if totals is None else {name: totals[name] + value for name, value in values.items()}
+    for _ in range(most - batches):  # uncounted repeats, so every rank runs `most` batches
+        with amp.autocast():
+            task.evaluation_sums(model(batch[0]), batch[1])
     model.train(was_training)
-    # Every rank joins the reduction, also one without held-out batches, so all must agree on the names.
-    names = from_first_rank_with(names, device) or [task.THROUGHPUT_UNIT]
+    # Every rank joins one reduction, also one without held-out batches, so all must agree on names and shapes.
+    shapes = from_first_rank_with(None if totals is None else {name: tuple(value.shape)
+                                                               for name, value in totals.items()}, device)
+    shapes = shapes or {task.THROUGHPUT_UNIT: ()}
     if totals is None:
-        totals = torch.zeros(len(names), device=device, dtype=torch.float64)
-    sums = dict(zip(names, all_reduce_sum(totals).tolist(), strict=True))
+        totals = {name: torch.zeros(shape, device=device, dtype=torch.float64) for name, shape in shapes.items()}
+    flat = all_reduce_sum(torch.cat([totals[name].flatten() for name in shapes]))  # one collective for all sums
+    sums, offset = {}, 0
+    for name, shape in shapes.items():
+        size = math.prod(shape)
+        value = flat[offset:offset + size].reshape(shape).cpu()
+        sums[name], offset = value.item() if size == 1 else value, offset + size
     if sums.get(task.THROUGHPUT_UNIT, 0) == 0:
         return {"loss": math.nan, task.THROUGHPUT_UNIT: 0}
     return task.summarize(sums)

@@ -93,11 +93,6 @@ def shardable_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def forward_is_collective(model: nn.Module) -> bool:
-    """FSDP2 all-gathers parameters inside forward, so every rank must run the same number of forwards."""
-    return isinstance(model, FSDPModule)
-
-
 def gradient_sync(training_model: torch.nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
     """Wrap a micro-step's forward and backward: with enabled=False, gradients accumulate locally and the
     all-reduce is skipped; the step that finally syncs all-reduces the accumulated sum once."""

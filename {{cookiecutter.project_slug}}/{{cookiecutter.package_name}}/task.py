@@ -197,8 +197,9 @@ def compute_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def evaluation_sums(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Sums over one held-out batch; they are added up over batches and ranks, then passed to summarize.
-    The THROUGHPUT_UNIT key counts what was evaluated."""
+    """Sums over one held-out batch, each a number or a tensor of any shape (per-class counts, a confusion
+    matrix); they are added up exactly over batches and ranks, then passed to summarize (one-element sums as
+    floats, others as tensors). The THROUGHPUT_UNIT key counts what was evaluated."""
     count = targets.numel()
     return {"loss": compute_loss(outputs, targets) * count,
             "correct": (outputs.argmax(dim=1) == targets).sum(),
@@ -423,8 +424,9 @@ def compute_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def evaluation_sums(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Sums over one held-out batch; they are added up over batches and ranks, then passed to summarize.
-    The THROUGHPUT_UNIT key counts what was evaluated."""
+    """Sums over one held-out batch, each a number or a tensor of any shape (per-class counts, a confusion
+    matrix); they are added up exactly over batches and ranks, then passed to summarize (one-element sums as
+    floats, others as tensors). The THROUGHPUT_UNIT key counts what was evaluated."""
     count = targets.numel()
     return {"loss": compute_loss(outputs, targets) * count, "tokens": torch.tensor(count)}
 
