@@ -119,17 +119,18 @@ PURE_COMPUTE = """
 import statistics, sys, time, types
 import torch
 from {package} import task
-options = types.SimpleNamespace(model="gpt", lr=6e-4, dropout=0.0, vocab_size=256, data="tokens", **{size})
+options = types.SimpleNamespace(lr=6e-4, task=types.SimpleNamespace(model="gpt", dropout=0.0, vocab_size=256,
+                                                                     data="tokens", **{size}))
 torch.manual_seed(0)
-model = task.build_model(options, None)
+model = task.gpt(options, None)
 optimizer = task.build_optimizer(model, options)
-tokens = torch.randint(256, ({batch}, options.block_size + 1))
+tokens = torch.randint(256, ({batch}, options.task.block_size + 1))
 inputs, targets = tokens[:, :-1], tokens[:, 1:]
 rates = []
 for window in range({steps} // 5):
     started = time.perf_counter()
     for _ in range(5):
-        loss = task.compute_loss(model(inputs), targets)
+        loss = task.compute_loss(model, (inputs, targets))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -14,7 +14,7 @@ TINY = ["--data", "fake", "--image-size", "16", "--batch-size", "16", "--num-wor
 BAD_OPTIONS = [
     (["--batch-size", "0"], "error: --batch-size must be >= 1, got 0"),
     (["--lr", "-1"], "error: --lr must be > 0"),
-    (["--model", "resnet19"], "error: --model 'resnet19' is not a torchvision classification model; did you mean"),
+    (["--model", "resnet19"], "error: --model 'resnet19' is not registered; did you mean"),
     (["--device", "cuda"], "error: --device cuda but no CUDA device is visible"),
     (["--data", "imagefolder", "--data-dir", "{tmp}/missing"], "error: --data-dir {tmp}/missing: expected class"),
     (["--data", "imagefolder", "--data-dir", "{tmp}"], "error: --data-dir {tmp}: expected class folders"),

@@ -24,7 +24,7 @@ import sys
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from {{ cookiecutter.package_name }} import task
+from {{ cookiecutter.package_name }} import task as task_module
 from {{ cookiecutter.package_name }}.checkpoint import build_checkpointer, check_checkpoint_dir
 from {{ cookiecutter.package_name }}.data import build_loaders, to_device
 from {{ cookiecutter.package_name }}.distributed import (
@@ -45,11 +45,12 @@ from {{ cookiecutter.package_name }}.parallel import (
     uses_channels_last,
     wrap_model,
 )
+from {{ cookiecutter.package_name }}.registry import Task
 from {{ cookiecutter.package_name }}.reproducibility import seed_and_choose_kernels
 from {{ cookiecutter.package_name }}.watchdog import Watchdog
 
 
-def train(options: TrainOptions, env: DistEnv, device: torch.device, store: StoreAddress | None) -> None:
+def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device, store: StoreAddress | None) -> None:
     log.info("%s", describe_job(env, device))
     # From here on SIGTERM means "save and stop at the next step", and a rank that stops making progress is
     # ended (with its stack logged) so that torchrun restarts the group.
@@ -57,7 +58,7 @@ def train(options: TrainOptions, env: DistEnv, device: torch.device, store: Stor
     stop = StopAgreement()
     seed_and_choose_kernels(options, env, device)  # CUDA: a generator seed per rank; cuDNN autotuning
     train_set, eval_set = task.build_datasets(options, env, device)
-    train_loader, eval_loader = build_loaders(train_set, eval_set, options, env, device)
+    train_loader, eval_loader = build_loaders(train_set, eval_set, options, env, device, task.collate)
     model = task.build_model(options, train_set).to(device)
     channels_last = uses_channels_last(model, device, options.channels_last)
     model = model.to(memory_format=torch.channels_last) if channels_last else model
@@ -75,21 +76,21 @@ def train(options: TrainOptions, env: DistEnv, device: torch.device, store: Stor
         with watchdog.slow_phase("checking evaluation on one batch"):
             evaluate(model, eval_loader, device, amp, task, max_batches=1)
     meter = build_meter(options, env, device, planned_steps(options, steps_per_epoch), done_steps=progress.step,
-                        unit=task.THROUGHPUT_UNIT, flops_per_unit=task.model_flops_per_unit(model, options))
+                        unit=task.throughput_unit, flops_per_unit=task.model_flops_per_unit(model, options))
     micro_batch_size = options.batch_size * env.world_size  # samples per micro-step, all ranks together
     stop_requested = False
 
     while not (stop_requested or progress.finished(options.epochs, options.max_steps)):
         # Mid-epoch resume: skip exactly the samples this epoch has already trained on.
         train_loader.sampler.set_epoch(progress.epoch, start_sample=progress.samples_in_epoch)
-        for micro_step, (inputs, targets) in enumerate(meter.timed(train_loader), start=1):
-            inputs, targets = to_device((inputs, targets), device, channels_last)
+        for micro_step, batch in enumerate(meter.timed(train_loader), start=1):
+            batch = to_device(batch, device, channels_last)  # whatever task.collate made: tuple, dict, ...
             last_micro_batch = micro_step % options.grad_accum == 0  # of this optimizer step
             with gradient_sync(training_model, enabled=last_micro_batch):  # all-reduce only on the last micro-step
                 with amp.autocast():
-                    loss = task.compute_loss(training_model(inputs), targets)
+                    loss = task.compute_loss(training_model, batch)  # the task runs the model on its batch
                 amp.backward(loss / options.grad_accum)  # the mean over the step's micro-batches
-            meter.update(loss, micro_batch_size * task.units_per_sample(options))
+            meter.update(loss, task.units_in_batch(batch))
             if not last_micro_batch:
                 continue
             amp.scaler.unscale_(optimizer)  # true gradients for the norm and clipping (a no-op unless fp16)
@@ -131,13 +132,14 @@ def main(argv: list[str] | None = None) -> None:
     try:
         env = DistEnv.from_environ()
         setup_logging(env)
-        options = parse_options(argv)
+        task = Task.from_module(task_module)  # what task.py defines, and defaults for what it leaves out
+        options = parse_options(argv, task.options_class, task.training_defaults)
         device = select_device(options.device, env)
         # Bad input fails here, on every rank, before any process group or download starts.
-        task.check_options(options)
+        task.check(options)
         check_checkpoint_dir(options.ckpt_dir)
         with distributed_session(env, device, timeout=options.collective_timeout()) as store:
-            train(options, env, device, store)
+            train(options, task, env, device, store)
     except UsageError as error:
         stop_job_for_usage_error(error, env)  # one line per job, and torchrun does not restart it
 

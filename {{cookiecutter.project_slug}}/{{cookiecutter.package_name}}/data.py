@@ -3,11 +3,14 @@ per-sample seeded augmentation, and batches moved to the device."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import signal
 import threading
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
@@ -120,14 +123,16 @@ def detach_from_job_signals(worker_id: int) -> None:
 
 
 def build_loaders(train_set: Dataset, eval_set: Dataset, options: TrainOptions, env: DistEnv,
-                  device: torch.device) -> tuple[DataLoader, DataLoader]:
+                  device: torch.device, collate: Callable[[list], Any]) -> tuple[DataLoader, DataLoader]:
+    """The training loader (resumable sharding, per-sample seeds) and the held-out one (each rank a disjoint
+    shard, no padding); `collate` (task.py's) makes a list of samples one batch."""
     train_set = SeededSampleDataset(train_set, options.seed)
     if options.sample_log:
         Path(options.sample_log).mkdir(parents=True, exist_ok=True)
         train_set = SampleLoggingDataset(train_set, Path(options.sample_log) / f"rank-{env.rank}.txt")
     sampler = ResumableDistributedSampler(train_set, env.world_size, env.rank, seed=options.seed,
                                           samples_per_step=options.batch_size * options.grad_accum)
-    common = dict(batch_size=options.batch_size, num_workers=options.num_workers,
+    common = dict(batch_size=options.batch_size, num_workers=options.num_workers, collate_fn=collate,
                   pin_memory=device.type == "cuda", persistent_workers=options.num_workers > 0,
                   worker_init_fn=detach_from_job_signals)
     # drop_last keeps every step's batch the same size on every rank. A generator of its own: otherwise each
@@ -147,17 +152,33 @@ def build_loaders(train_set: Dataset, eval_set: Dataset, options: TrainOptions, 
     return train_loader, eval_loader
 
 
-def to_device(batch, device: torch.device, channels_last: bool = False):
-    """A batch (a tensor, or a tuple / list / dict of them) on the device; 4-d tensors (images) channels-last
-    when asked.
+def map_tensors(function: Callable[[torch.Tensor], Any], batch: Any) -> Any:
+    """`batch` with `function` applied to every tensor in it, whatever its nesting: tuple, list, named tuple,
+    dict, dataclass. Anything else (strings, numbers) is kept as it is."""
+    if isinstance(batch, torch.Tensor):
+        return function(batch)
+    if isinstance(batch, Mapping):
+        return type(batch)({key: map_tensors(function, value) for key, value in batch.items()})
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{spec.name: map_tensors(function, getattr(batch, spec.name))
+                                             for spec in dataclasses.fields(batch) if spec.init})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
+        return type(batch)(*(map_tensors(function, value) for value in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(map_tensors(function, value) for value in batch)
+    return batch
+
+
+def to_device(batch: Any, device: torch.device, channels_last: bool = False) -> Any:
+    """Every tensor of a batch (any nesting: map_tensors) on the device; 4-d floating-point tensors (images)
+    channels-last when asked.
 
     non_blocking: from pinned loader memory the host only queues the copy and goes on queueing the step's
     kernels. On the GPU the copy runs in order on the compute stream, between the previous step's kernels and
     this one's; a prefetch on a side stream would hide it too, worth it only where copies are a visible part
     of a step (large images, a small model)."""
-    if isinstance(batch, torch.Tensor):
-        memory_format = torch.channels_last if channels_last and batch.dim() == 4 else torch.contiguous_format
-        return batch.to(device, non_blocking=True, memory_format=memory_format)
-    if isinstance(batch, dict):
-        return {key: to_device(value, device, channels_last) for key, value in batch.items()}
-    return type(batch)(to_device(value, device, channels_last) for value in batch)
+    def move(tensor: torch.Tensor) -> torch.Tensor:
+        image = channels_last and tensor.dim() == 4 and tensor.is_floating_point()
+        return tensor.to(device, non_blocking=True,
+                         memory_format=torch.channels_last if image else torch.contiguous_format)
+    return map_tensors(move, batch)

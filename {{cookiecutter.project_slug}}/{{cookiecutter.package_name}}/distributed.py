@@ -272,10 +272,9 @@ def barrier(device: torch.device) -> None:
     all_reduce_int(0, device, "max")
 
 
-def mean_across_ranks(value: torch.Tensor) -> float:
-    """The mean of a scalar over all ranks (gloo has no AVG, so sum and divide)."""
-    total = all_reduce_sum(value.detach().float().clone())
-    return total.item() / (dist.get_world_size() if dist.is_initialized() else 1)
+def world_size() -> int:
+    """Ranks in the job: 1 without a process group."""
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def broadcast_object(value, source_rank: int = 0):

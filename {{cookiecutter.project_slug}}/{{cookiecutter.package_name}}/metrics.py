@@ -18,15 +18,17 @@ import torch
 from .data import to_device
 from .distributed import (
     DistEnv,
+    all_gather_objects,
     all_reduce_int,
     all_reduce_sum,
     backend_for,
     from_first_rank_with,
-    mean_across_ranks,
+    world_size,
 )
 from .optim import MixedPrecision
 from .options import TrainOptions, UsageError
 from .parallel import sync_buffers_from_main
+from .registry import Task
 
 log = logging.getLogger("train")
 
@@ -49,19 +51,19 @@ def describe_job(env: DistEnv, device: torch.device) -> str:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader, device: torch.device, amp: MixedPrecision, task,
+def evaluate(model: torch.nn.Module, loader, device: torch.device, amp: MixedPrecision, task: Task,
              max_batches: int | None = None) -> dict[str, float]:
-    """task.summarize of task.evaluation_sums added up over the held-out split and over ranks (not a mean of
-    per-rank means, which is wrong when shards differ in size). A sum may be a tensor of any shape (a
-    confusion matrix, per-class counts): summarize gets it as a float if it has one element, else as a
-    tensor. Forwards run under training's autocast: as fast as training's, and the numbers are those of the
-    model as trained. max_batches=1 is the check before training starts: a bug in the evaluation path shows
-    at step 0, not after hours of training.
+    """task.summarize(sums, outputs): task.evaluation_sums added up over the held-out split and over ranks (not
+    a mean of per-rank means, which is wrong when shards differ in size), and task.evaluation_outputs'
+    per-sample rows from every rank, if the task has it. A sum may be a tensor of any shape (a confusion
+    matrix): summarize gets it as a float if it has one element, else as a tensor. Forwards run under
+    training's autocast: as fast as training's, and the numbers are those of the model as trained.
+    max_batches=1 is the check before training starts: a bug in the evaluation path shows at step 0.
 
     Every rank runs the same number of batches: FSDP2 all-gathers inside forward, and a loss may hold
     collectives of its own (negatives from every rank), so a rank that stopped early would leave the others
     waiting forever. Shards differ by up to one sample, so batch counts may too: a rank with fewer batches
-    repeats its last one, and its sums are not counted."""
+    repeats its last one, and counts none of it."""
     sync_buffers_from_main(model)  # every rank evaluates with the same BatchNorm statistics
     was_training = model.training
     model.eval()
@@ -69,34 +71,50 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, amp: MixedPre
     most = all_reduce_int(batches, device, "max")
     if all_reduce_int(batches, device, "min") == 0 < most:
         raise UsageError("the held-out split has fewer samples than there are ranks; use more data")
-    totals, batch = None, None
+    totals, rows, batch = None, [], None
     for index, batch in enumerate(loader):
         if index == batches:
             break
         batch = to_device(batch, device)
         with amp.autocast():
-            sums = task.evaluation_sums(model(batch[0]), batch[1])
+            sums = task.evaluation_sums(model, batch)
+            if task.evaluation_outputs is not None:
+                outputs = task.evaluation_outputs(model, batch)
+                rows.append({name: value.detach().cpu() for name, value in outputs.items()})
         values = {name: torch.as_tensor(value, device=device).double() for name, value in sums.items()}
         totals = values if totals is None else {name: totals[name] + value for name, value in values.items()}
-    for _ in range(most - batches):  # uncounted repeats, so every rank runs `most` batches
+    for _ in range(most - batches):  # the same forwards and collectives as a counted batch, counted nowhere
         with amp.autocast():
-            task.evaluation_sums(model(batch[0]), batch[1])
+            task.evaluation_sums(model, batch)
+            if task.evaluation_outputs is not None:
+                task.evaluation_outputs(model, batch)
     model.train(was_training)
-    # Every rank joins one reduction, also one without held-out batches, so all must agree on names and shapes.
+    sums = sum_across_ranks(totals, device, task.throughput_unit)
+    outputs = {}
+    if task.evaluation_outputs is not None:
+        gathered = [row for rank_rows in all_gather_objects(rows) for row in rank_rows]  # rank by rank
+        outputs = {name: torch.cat([row[name] for row in gathered]) for name in (gathered[0] if gathered else {})}
+    if sums.get(task.throughput_unit, 0) == 0:
+        return {"loss": math.nan, task.throughput_unit: 0}
+    return task.summarize(sums, outputs)
+
+
+def sum_across_ranks(totals: dict[str, torch.Tensor] | None, device: torch.device, unit: str) -> dict:
+    """Each named total summed over ranks, in one all-reduce (a collective); a one-element total comes back as
+    a float, others as CPU tensors. Every rank joins, also one without held-out batches (totals None), so all
+    take the names and shapes of the lowest rank that has them."""
     shapes = from_first_rank_with(None if totals is None else {name: tuple(value.shape)
                                                                for name, value in totals.items()}, device)
-    shapes = shapes or {task.THROUGHPUT_UNIT: ()}
+    shapes = shapes or {unit: ()}
     if totals is None:
         totals = {name: torch.zeros(shape, device=device, dtype=torch.float64) for name, shape in shapes.items()}
-    flat = all_reduce_sum(torch.cat([totals[name].flatten() for name in shapes]))  # one collective for all sums
+    flat = all_reduce_sum(torch.cat([totals[name].flatten() for name in shapes]))
     sums, offset = {}, 0
     for name, shape in shapes.items():
         size = math.prod(shape)
         value = flat[offset:offset + size].reshape(shape).cpu()
         sums[name], offset = value.item() if size == 1 else value, offset + size
-    if sums.get(task.THROUGHPUT_UNIT, 0) == 0:
-        return {"loss": math.nan, task.THROUGHPUT_UNIT: 0}
-    return task.summarize(sums)
+    return sums
 
 
 def build_meter(options: TrainOptions, env: DistEnv, device: torch.device, total_steps: int, done_steps: int,
@@ -209,7 +227,7 @@ class TrainingMeter:
         self.grad_norm_sum = torch.zeros((), device=self.device)
         self.micro_batches = 0
         self.steps = 0
-        self.samples = 0
+        self.units = torch.zeros((), device=self.device, dtype=torch.float64)  # this rank's, since the last line
         self.data_wait = 0.0
         self.paused = 0.0  # evaluation inside the interval: not training time
         self.started = self.last_step_end = time.perf_counter()
@@ -228,11 +246,12 @@ class TrainingMeter:
             self.data_wait += time.perf_counter() - waiting_since
             yield batch
 
-    def update(self, loss: torch.Tensor, global_units: int) -> None:
-        """After every micro-batch: its loss and how many units (samples, tokens) all ranks trained on."""
+    def update(self, loss: torch.Tensor, units: int | torch.Tensor) -> None:
+        """After every micro-batch: its loss and how many units (samples, tokens) this rank trained on; a
+        tensor count stays on the device, so counting costs no host sync."""
         self.loss_sum += loss.detach()
         self.micro_batches += 1
-        self.samples += global_units
+        self.units += units
 
     def end_step(self, step: int, epoch: int, lr: float, grad_norm: torch.Tensor) -> None:
         """After every optimizer step, with the gradient norm before clipping (the same on every rank)."""
@@ -246,9 +265,12 @@ class TrainingMeter:
 
     def log_and_reset(self, step: int, epoch: int, lr: float) -> None:
         """Log the mean loss over ranks and micro-batches since the last line (a collective)."""
-        loss = mean_across_ranks(self.loss_sum / max(self.micro_batches, 1))
+        # Mean loss and total units over ranks, in one all-reduce.
+        loss_sum, units = all_reduce_sum(torch.stack([(self.loss_sum / max(self.micro_batches, 1)).double(),
+                                                      self.units])).tolist()
+        loss = loss_sum / world_size()
         elapsed = time.perf_counter() - self.started - self.paused
-        rate = self.samples / elapsed
+        rate = units / elapsed
         row = {"loss": loss, "grad_norm": self.grad_norm_sum.item() / max(self.steps, 1), "lr": lr,
                f"{self.unit}_per_sec": rate, "step_time_s": elapsed / max(self.steps, 1),
                "data_wait_frac": self.data_wait / elapsed}

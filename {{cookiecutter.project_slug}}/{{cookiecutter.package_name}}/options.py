@@ -10,7 +10,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Literal
+from typing import Any, Literal
 
 
 class UsageError(Exception):
@@ -32,52 +32,24 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(f"{message}; see python train.py --help")
 
 
-def option(default, help: str):  # noqa: A002 - mirrors argparse's keyword
-    """A dataclass field whose help string becomes its `--help` text."""
-    return field(default=default, metadata={"help": help})
+def option(default, help: str, fixed: bool = False):  # noqa: A002 - mirrors argparse's keyword
+    """A dataclass field whose help string becomes its `--help` text. fixed=True: a checkpoint trained with one
+    value cannot be resumed under another (its tensors would not fit: a model's width, its classes)."""
+    return field(default=default, metadata={"help": help, "fixed": fixed})
 
 
 @dataclass
 class TrainOptions:
-{%- if cookiecutter.task == "image_classification" %}
-    # What is trained (task.py): any --data / --model name registered there.
-    data: str = option(
-        "fake", "a dataset registered in task.py: fake (generated, learnable), cifar10 (downloaded to "
-        "--data-dir), imagefolder (--data-dir/train/<class>/*.jpg and --data-dir/val/<class>/*.jpg)")
-    data_dir: str = option("data", "where cifar10 is downloaded, or the imagefolder root")
-    fake_samples: int = option(2048, "size of the fake training set (the held-out set is a quarter of it)")
-    model: str = option("resnet18", "a model registered in task.py: any torchvision classification model name "
-                        "(e.g. resnet50), or small_cnn (a quick CPU model whose gradients do not depend on the batch)")
-    image_size: int = option(32, "images are resized (imagefolder) or generated (fake) at this side length")
-    num_classes: int = option(10, "outputs of the model's head (cifar10 has 10 classes)")
-{%- else %}
-    # What is trained (task.py): any --data / --model name registered there.
-    data: str = option(
-        "fake", "a dataset registered in task.py: fake (generated sentences, learnable), text (bytes of "
-        "--data-dir/train.txt and val.txt, or of input.txt split 90/10), tokens (nanoGPT's uint16 "
-        "--data-dir/train.bin and val.bin)")
-    data_dir: str = option("data", "the folder with the text corpus or the token files")
-    fake_samples: int = option(2048, "sequences in the fake training set (the held-out set is a quarter of it)")
-    model: str = option("gpt", "a model registered in task.py: gpt (a decoder-only transformer)")
-    block_size: int = option(128, "context length in tokens; a training sample is one block")
-    vocab_size: int | None = option(None, "tokens in the vocabulary (default: 256 for fake and text, which are "
-                                    "bytes; 50304 for tokens, GPT-2's 50257 padded)")
-    n_layer: int = option(4, "transformer blocks")
-    n_head: int = option(4, "attention heads per block")
-    n_embd: int = option(128, "width of the residual stream")
-    dropout: float = option(0.0, "dropout probability in attention and MLP outputs")
-{%- endif %}
+    """How to train, whatever is trained. What is trained has its own options (task.py's TaskOptions), in
+    `task`; parse_options() makes one command line of both."""
+
     epochs: int = option(10, "passes over the training set")
     max_steps: int | None = option(
         None, "stop after this many optimizer steps in total (default: no limit); the lr schedule still spans "
         "--epochs, so a run stopped here and restarted with a larger value continues unchanged")
-{%- if cookiecutter.task == "image_classification" %}
-    batch_size: int = option(64, "samples per rank per step; the global batch is this times the world size")
-    lr: float = option(0.01, "peak learning rate (SGD with momentum 0.9; task.py builds the optimizer)")
-{%- else %}
-    batch_size: int = option(16, "sequences per rank per step; the global batch is this times the world size")
-    lr: float = option(1e-3, "peak learning rate (AdamW; task.py builds the optimizer)")
-{%- endif %}
+    batch_size: int = option(64, "samples per rank per step (the task's collate makes them one batch); the global "
+                             "batch is this times the world size")
+    lr: float = option(0.01, "peak learning rate: task.py's build_optimizer starts from it, the schedule scales it")
     lr_schedule: Literal["cosine", "constant"] = option(
         "cosine", "after warmup: cosine decay to 0 at the end of --epochs, or constant")
     warmup_steps: int | None = option(None, "optimizer steps of linear warmup (default: 5%% of --epochs)")
@@ -124,6 +96,7 @@ class TrainOptions:
     sample_log: str | None = option(
         None, "audit the data order: append each training-sample index this rank loads to "
         "SAMPLE_LOG/rank-<RANK>.txt (with --num-workers 0, exactly the samples trained on)")
+    task: Any = field(default=None, metadata={"help": None})  # task.py's TaskOptions, set by parse_options
 
     def check(self) -> None:
         """Reject values that cannot work, each with what to do instead."""
@@ -171,22 +144,34 @@ class DefaultsOnceFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(task_options: type, training_defaults: dict[str, Any]) -> argparse.ArgumentParser:
+    """One command line for the task's options (first in --help) and the training options; training_defaults
+    (task.py's TRAINING_DEFAULTS) replace the defaults of training options that suit the task differently."""
     parser = ArgumentParser(
         description="Train a model (task.py); launch with torchrun or run_node.sh (see train.py).",
         formatter_class=DefaultsOnceFormatter,
     )
-    hints = typing.get_type_hints(TrainOptions)
-    for spec in dataclasses.fields(TrainOptions):
-        kind, choices = argument_type(hints[spec.name])
-        if kind is bool:  # --compile / --no-compile
-            parser.add_argument(f"--{flag(spec.name)}", dest=spec.name, action=argparse.BooleanOptionalAction,
-                                default=spec.default, help=spec.metadata["help"])
-            continue
-        parser.add_argument(
-            f"--{flag(spec.name)}", dest=spec.name, type=kind, choices=choices, default=spec.default,
-            help=spec.metadata["help"],
-        )
+    training_fields = [spec for spec in dataclasses.fields(TrainOptions) if spec.name != "task"]
+    clashes = {spec.name for spec in dataclasses.fields(task_options)} & {spec.name for spec in training_fields}
+    unknown = training_defaults.keys() - {spec.name for spec in training_fields}
+    if clashes or unknown:
+        raise UsageError(f"task.py: {', '.join(sorted(clashes))} in TaskOptions would hide the training option of "
+                         "that name; rename it" if clashes else
+                         f"task.py: TRAINING_DEFAULTS names {', '.join(sorted(unknown))}, which are no training "
+                         "options (see options.py)")
+    for title, specs, hints in (("what is trained (task.py)", dataclasses.fields(task_options),
+                                 typing.get_type_hints(task_options)),
+                                ("training", training_fields, typing.get_type_hints(TrainOptions))):
+        group = parser.add_argument_group(title)
+        for spec in specs:
+            default = training_defaults.get(spec.name, spec.default)
+            kind, choices = argument_type(hints[spec.name])
+            if kind is bool:  # --compile / --no-compile
+                group.add_argument(f"--{flag(spec.name)}", dest=spec.name, action=argparse.BooleanOptionalAction,
+                                   default=default, help=spec.metadata["help"])
+                continue
+            group.add_argument(f"--{flag(spec.name)}", dest=spec.name, type=kind, choices=choices,
+                               default=default, help=spec.metadata["help"])
     # The deprecated torch.distributed.launch passed --local-rank; torchrun sets LOCAL_RANK instead.
     parser.add_argument("--local-rank", dest="deprecated_local_rank", type=int,
                         default=None, help=argparse.SUPPRESS)
@@ -213,12 +198,28 @@ def accept_underscores(argv: list[str]) -> list[str]:
     return [normalize(token) for token in argv]
 
 
-def parse_options(argv: list[str] | None = None) -> TrainOptions:
-    """Parse argv into checked TrainOptions; raises UsageError on values that cannot work."""
-    namespace = vars(build_parser().parse_args(accept_underscores(sys.argv[1:] if argv is None else argv)))
+def parse_options(argv: list[str] | None, task_options: type,
+                  training_defaults: dict[str, Any] | None = None) -> TrainOptions:
+    """Parse argv into checked TrainOptions, with the task's options (a TaskOptions) in .task; raises
+    UsageError on values that cannot work."""
+    parser = build_parser(task_options, training_defaults or {})
+    namespace = vars(parser.parse_args(accept_underscores(sys.argv[1:] if argv is None else argv)))
     if namespace.pop("deprecated_local_rank") is not None:
         logging.getLogger(__name__).warning(
             "--local-rank is ignored: torchrun sets LOCAL_RANK in the environment, which wins")
-    options = TrainOptions(**namespace)
+    task_names = {spec.name for spec in dataclasses.fields(task_options)}
+    options = TrainOptions(**{name: value for name, value in namespace.items() if name not in task_names},
+                           task=task_options(**{name: namespace[name] for name in task_names}))
     options.check()
     return options
+
+
+def every_option(options: TrainOptions) -> dict[str, Any]:
+    """The training and the task options as one flat dict, by field name (what checkpoints record)."""
+    training = {spec.name: getattr(options, spec.name) for spec in dataclasses.fields(options) if spec.name != "task"}
+    return {**training, **dataclasses.asdict(options.task)}
+
+
+def fixed_under_a_checkpoint(options: TrainOptions) -> set[str]:
+    """The task options marked fixed=True: a checkpoint cannot be resumed once they change."""
+    return {spec.name for spec in dataclasses.fields(options.task) if spec.metadata.get("fixed")}

@@ -1,19 +1,20 @@
 {%- if cookiecutter.task == "image_classification" -%}
-"""What is trained: the datasets, the model, the loss, the evaluation metrics and the unit of throughput.
+"""What is trained: the task's options, datasets, model, optimizer, loss and evaluation metrics.
 
 This is the one file to edit to train something else; train.py, checkpoints, FSDP2, resuming and logging
-work unchanged. Register a dataset with @register_dataset("name") and a model with @register_model("name"):
-the name is then accepted by --data / --model. A batch is (inputs, targets); train.py computes
+work unchanged (registry.py lists what the package calls, with defaults for what you leave out). Register a
+dataset with @register_dataset("name") and a model with @register_model("name"): the name is then accepted by
+--data / --model. A batch is whatever `collate` makes of a list of samples (by default torch's default_collate:
+here a tuple (images, labels)); train.py calls
 
-    loss = compute_loss(model(inputs), targets)
+    loss = compute_loss(model, batch)
 
-for training, and evaluation uses the same compute_loss (evaluation_sums below).
+and evaluation adds up evaluation_sums(model, batch) over the held-out split, then calls summarize.
 """
 
 from __future__ import annotations
 
-import difflib
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,7 +25,27 @@ from torch.utils.data import Dataset
 from torchvision import datasets, transforms
 
 from .distributed import DistEnv, run_once_per_node
-from .options import TrainOptions, UsageError
+from .options import TrainOptions, UsageError, option
+from .registry import MODELS, register_dataset, register_model
+
+
+@dataclass
+class TaskOptions:
+    """This task's flags: each field is a --flag, its help the --help text; the training flags are in
+    options.py. fixed=True: a checkpoint cannot be resumed once the value changes (its tensors would not fit).
+    The code below reads them as options.task.<name>."""
+
+    data: str = option(
+        "fake", "a dataset registered in task.py: fake (generated, learnable), cifar10 (downloaded to "
+        "--data-dir), imagefolder (--data-dir/train/<class>/*.jpg and --data-dir/val/<class>/*.jpg)")
+    data_dir: str = option("data", "where cifar10 is downloaded, or the imagefolder root")
+    fake_samples: int = option(2048, "size of the fake training set (the held-out set is a quarter of it)")
+    model: str = option("resnet18", "a model registered in task.py: any torchvision classification model name "
+                        "(e.g. resnet50), or small_cnn (a quick CPU model whose gradients do not depend on the "
+                        "batch)", fixed=True)
+    image_size: int = option(32, "images are resized (imagefolder) or generated (fake) at this side length")
+    num_classes: int = option(10, "outputs of the model's head (cifar10 has 10 classes)", fixed=True)
+
 
 # Throughput is logged as <unit>/s, and the held-out count as "on N held-out <unit>".
 THROUGHPUT_UNIT = "samples"
@@ -33,15 +54,17 @@ THROUGHPUT_UNIT = "samples"
 SMOKE_TEST_ARGS = ["--data", "fake", "--fake-samples", "512", "--image-size", "16", "--batch-size", "16",
                    "--model", "resnet18", "--num-workers", "0", "--device", "cpu", "--lr", "0.005"]
 {%- else -%}
-"""What is trained: the datasets, the model, the loss, the evaluation metrics and the unit of throughput.
+"""What is trained: the task's options, datasets, model, optimizer, loss and evaluation metrics.
 
 This is the one file to edit to train something else; train.py, checkpoints, FSDP2, resuming and logging
-work unchanged. Register a dataset with @register_dataset("name") and a model with @register_model("name"):
-the name is then accepted by --data / --model. A batch is (inputs, targets); train.py computes
+work unchanged (registry.py lists what the package calls, with defaults for what you leave out). Register a
+dataset with @register_dataset("name") and a model with @register_model("name"): the name is then accepted by
+--data / --model. A batch is whatever `collate` makes of a list of samples (by default torch's default_collate:
+here a tuple (tokens, next tokens)); train.py calls
 
-    loss = compute_loss(model(inputs), targets)
+    loss = compute_loss(model, batch)
 
-for training, and evaluation uses the same compute_loss (evaluation_sums below).
+and evaluation adds up evaluation_sums(model, batch) over the held-out split, then calls summarize.
 
 Here: a decoder-only transformer (GPT) learns to predict the next token. Text is read as bytes (a vocabulary
 of 256, nothing to download); for large corpora, tokenize once into nanoGPT's format, uint16 token ids in
@@ -50,9 +73,8 @@ of 256, nothing to download); for large corpora, tokenize once into nanoGPT's fo
 
 from __future__ import annotations
 
-import difflib
 import math
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -62,8 +84,34 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from .distributed import DistEnv
-from .options import TrainOptions, UsageError
+from .options import TrainOptions, UsageError, option
+from .registry import register_dataset, register_model
 
+
+@dataclass
+class TaskOptions:
+    """This task's flags: each field is a --flag, its help the --help text; the training flags are in
+    options.py. fixed=True: a checkpoint cannot be resumed once the value changes (its tensors would not fit).
+    The code below reads them as options.task.<name>."""
+
+    data: str = option(
+        "fake", "a dataset registered in task.py: fake (generated sentences, learnable), text (bytes of "
+        "--data-dir/train.txt and val.txt, or of input.txt split 90/10), tokens (nanoGPT's uint16 "
+        "--data-dir/train.bin and val.bin)")
+    data_dir: str = option("data", "the folder with the text corpus or the token files")
+    fake_samples: int = option(2048, "sequences in the fake training set (the held-out set is a quarter of it)")
+    model: str = option("gpt", "a model registered in task.py: gpt (a decoder-only transformer)", fixed=True)
+    block_size: int = option(128, "context length in tokens; a training sample is one block", fixed=True)
+    vocab_size: int | None = option(None, "tokens in the vocabulary (default: 256 for fake and text, which are "
+                                    "bytes; 50304 for tokens, GPT-2's 50257 padded)", fixed=True)
+    n_layer: int = option(4, "transformer blocks", fixed=True)
+    n_head: int = option(4, "attention heads per block", fixed=True)
+    n_embd: int = option(128, "width of the residual stream", fixed=True)
+    dropout: float = option(0.0, "dropout probability in attention and MLP outputs")
+
+
+# Training options whose defaults suit this task better than options.py's.
+TRAINING_DEFAULTS = {"batch_size": 16, "lr": 1e-3}
 # Throughput is logged as <unit>/s, and the held-out count as "on N held-out <unit>".
 THROUGHPUT_UNIT = "tokens"
 # The tests in tests/ train with these (plus --ckpt-dir, --max-steps ...): keep them tiny and learnable, so the
@@ -72,28 +120,6 @@ SMOKE_TEST_ARGS = ["--data", "fake", "--fake-samples", "256", "--block-size", "3
                    "--n-head", "2", "--n-embd", "64", "--batch-size", "8", "--num-workers", "0", "--device", "cpu",
                    "--lr", "3e-3"]
 {%- endif %}
-
-DatasetBuilder = Callable[[TrainOptions, DistEnv, torch.device], tuple[Dataset, Dataset]]
-ModelBuilder = Callable[[TrainOptions, Dataset], nn.Module]
-DATASETS: dict[str, DatasetBuilder] = {}  # --data name -> builder of (train, held-out)
-MODELS: dict[str, ModelBuilder] = {}  # --model name -> builder
-
-
-def register_dataset(name: str) -> Callable[[DatasetBuilder], DatasetBuilder]:
-    """Register a builder of (train, held-out) datasets under a --data name."""
-    def register(builder: DatasetBuilder) -> DatasetBuilder:
-        DATASETS[name] = builder
-        return builder
-    return register
-
-
-def register_model(name: str) -> Callable[[ModelBuilder], ModelBuilder]:
-    """Register a model builder under a --model name; it sees the options and the training set."""
-    def register(builder: ModelBuilder) -> ModelBuilder:
-        MODELS[name] = builder
-        return builder
-    return register
-
 
 {% if cookiecutter.task == "image_classification" -%}
 # ---- data --------------------------------------------------------------------------------------------------
@@ -129,24 +155,24 @@ class LearnableFakeData(Dataset):
 
 @register_dataset("fake")
 def fake_images(options: TrainOptions, env: DistEnv, device: torch.device) -> tuple[Dataset, Dataset]:
-    shape = dict(image_size=options.image_size, num_classes=options.num_classes, seed=options.seed)
-    return (LearnableFakeData(options.fake_samples, **shape),
-            LearnableFakeData(max(options.fake_samples // 4, 1), **shape, first_index=options.fake_samples))
+    shape = dict(image_size=options.task.image_size, num_classes=options.task.num_classes, seed=options.seed)
+    return (LearnableFakeData(options.task.fake_samples, **shape),
+            LearnableFakeData(max(options.task.fake_samples // 4, 1), **shape, first_index=options.task.fake_samples))
 
 
 @register_dataset("cifar10")
 def cifar10(options: TrainOptions, env: DistEnv, device: torch.device) -> tuple[Dataset, Dataset]:
     normalize = transforms.Compose([transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
     augment = transforms.Compose([transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(), normalize])
-    run_once_per_node(env, device, lambda: datasets.CIFAR10(options.data_dir, download=True),
-                      what=f"downloading CIFAR-10 into {options.data_dir}")
-    return (datasets.CIFAR10(options.data_dir, train=True, transform=augment),
-            datasets.CIFAR10(options.data_dir, train=False, transform=normalize))
+    run_once_per_node(env, device, lambda: datasets.CIFAR10(options.task.data_dir, download=True),
+                      what=f"downloading CIFAR-10 into {options.task.data_dir}")
+    return (datasets.CIFAR10(options.task.data_dir, train=True, transform=augment),
+            datasets.CIFAR10(options.task.data_dir, train=False, transform=normalize))
 
 
 @register_dataset("imagefolder")
 def image_folder(options: TrainOptions, env: DistEnv, device: torch.device) -> tuple[Dataset, Dataset]:
-    root, size = Path(options.data_dir), options.image_size
+    root, size = Path(options.task.data_dir), options.task.image_size
     for split in ("train", "val"):  # checked before any process group starts (check_options)
         folder = root / split
         if not folder.is_dir() or not any(child.is_dir() for child in folder.iterdir()):
@@ -172,11 +198,11 @@ def small_cnn(options: TrainOptions, train_set: Dataset, width: int = 32) -> nn.
                              nn.ReLU(inplace=True), nn.MaxPool2d(2))
     # Pooling to 2x2, not 1x1, keeps where in the image a feature was.
     return nn.Sequential(block(3, width), block(width, 2 * width), block(2 * width, 4 * width),
-                         nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(4 * width * 4, options.num_classes))
+                         nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(4 * width * 4, options.task.num_classes))
 
 
 def torchvision_model(options: TrainOptions, train_set: Dataset) -> nn.Module:
-    return torchvision.models.get_model(options.model, weights=None, num_classes=options.num_classes)
+    return torchvision.models.get_model(options.task.model, weights=None, num_classes=options.task.num_classes)
 
 
 # Every torchvision classifier by name (module=torchvision.models: not detection, segmentation or video).
@@ -191,62 +217,47 @@ def build_optimizer(model: nn.Module, options: TrainOptions) -> torch.optim.Opti
 
 # ---- loss and evaluation -----------------------------------------------------------------------------------
 
-def compute_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The mean loss of a batch: what training minimises and evaluation reports."""
-    return F.cross_entropy(outputs.float(), targets)
+def outputs_and_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's outputs for a batch and their mean loss: the one path training and evaluation share."""
+    inputs, targets = batch
+    outputs = model(inputs).float()
+    return outputs, F.cross_entropy(outputs, targets)
 
 
-def evaluation_sums(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+def compute_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one there."""
+    return outputs_and_loss(model, batch)[1]
+
+
+def evaluation_sums(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Sums over one held-out batch, each a number or a tensor of any shape (per-class counts, a confusion
     matrix); they are added up exactly over batches and ranks, then passed to summarize (one-element sums as
     floats, others as tensors). The THROUGHPUT_UNIT key counts what was evaluated."""
-    count = targets.numel()
-    return {"loss": compute_loss(outputs, targets) * count,
+    outputs, loss = outputs_and_loss(model, batch)
+    targets = batch[1]
+    return {"loss": loss * targets.numel(),
             "correct": (outputs.argmax(dim=1) == targets).sum(),
-            "samples": torch.tensor(count)}
+            "samples": torch.tensor(targets.numel())}
 
 
-def summarize(sums: dict[str, float]) -> dict[str, float]:
-    """The logged evaluation metrics, from sums over the whole held-out split (every rank)."""
+def summarize(sums: dict, outputs: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The logged evaluation metrics, from sums over the whole held-out split (every rank). `outputs` holds the
+    per-sample rows of evaluation_outputs(model, batch) from every rank, if you define it (here: {})."""
     count = sums["samples"]
     return {"loss": sums["loss"] / count, "accuracy": sums["correct"] / count, "samples": int(count)}
-
-
-def units_per_sample(options: TrainOptions) -> int:
-    """THROUGHPUT_UNITs in one sample of the training set."""
-    return 1
-
-
-def model_flops_per_unit(model: nn.Module, options: TrainOptions) -> float | None:
-    """Training FLOPs (forward and backward) per THROUGHPUT_UNIT, for model FLOPs utilisation; None: not logged."""
-    return None
 
 
 # ---- checks, before any process group starts ---------------------------------------------------------------
 
 def check_options(options: TrainOptions) -> None:
-    """Refuse a --data or --model name nothing is registered under, and values this task cannot use."""
-    if options.data not in DATASETS:
-        raise UsageError(unknown_name("data", options.data, DATASETS, "register_dataset"))
-    if options.model not in MODELS:
-        raise UsageError(f"--model {options.model!r} is not a torchvision classification model; "
-                         + unknown_name("model", options.model, MODELS, "register_model").split("; ", 1)[1])
-    if options.num_classes < 2:
-        raise UsageError(f"--num-classes must be >= 2 for classification, got {options.num_classes}")
+    """Refuse values this task cannot use (registry.py has already checked the --data and --model names)."""
+    if options.task.num_classes < 2:
+        raise UsageError(f"--num-classes must be >= 2 for classification, got {options.task.num_classes}")
     for name in ("fake_samples", "image_size"):
-        if getattr(options, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(options, name)}")
-    if options.data == "imagefolder":
+        if getattr(options.task, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(options.task, name)}")
+    if options.task.data == "imagefolder":
         image_folder(options, DistEnv(), torch.device("cpu"))  # only checks the folders: cheap
-
-
-def unknown_name(kind: str, name: str, registry: dict, decorator: str) -> str:
-    close = difflib.get_close_matches(name, list(registry), n=3)
-    known = sorted(registry)
-    hint = (f"did you mean {', '.join(close)}?" if close
-            else f"known: {', '.join(known[:8])}{', ...' if len(known) > 8 else ''}.")
-    return (f"--{kind} {name!r} is not registered; {hint} To add it, register a builder with "
-            f"@{decorator}({name!r}) in {__name__.replace('.', '/')}.py")
 {%- else -%}
 # ---- data --------------------------------------------------------------------------------------------------
 
@@ -295,9 +306,10 @@ def byte_tokens(text: bytes) -> np.ndarray:
 def fake_text(options: TrainOptions, env: DistEnv, device: torch.device) -> tuple[Dataset, Dataset]:
     """--fake-samples blocks of generated sentences to train on, a quarter of that (other sentences) held out."""
     def blocks(count: int, seed: int) -> TokenBlocks:
-        length = count * options.block_size + 1
-        return TokenBlocks(byte_tokens(fake_corpus(length // 16 + 1, seed)[:length]), options.block_size)
-    return blocks(options.fake_samples, options.seed), blocks(max(options.fake_samples // 4, 1), options.seed + 1)
+        length = count * options.task.block_size + 1
+        return TokenBlocks(byte_tokens(fake_corpus(length // 16 + 1, seed)[:length]), options.task.block_size)
+    samples = options.task.fake_samples
+    return blocks(samples, options.seed), blocks(max(samples // 4, 1), options.seed + 1)
 
 
 def text_files(data_dir: str) -> tuple[Path, Path | None]:
@@ -312,29 +324,30 @@ def text_files(data_dir: str) -> tuple[Path, Path | None]:
 
 @register_dataset("text")
 def text(options: TrainOptions, env: DistEnv, device: torch.device) -> tuple[Dataset, Dataset]:
-    train_file, val_file = text_files(options.data_dir)
+    train_file, val_file = text_files(options.task.data_dir)
     if val_file is not None:
         train, held_out = byte_tokens(train_file.read_bytes()), byte_tokens(val_file.read_bytes())
     else:
         corpus = byte_tokens(train_file.read_bytes())
         train, held_out = corpus[:len(corpus) * 9 // 10], corpus[len(corpus) * 9 // 10:]
-    return TokenBlocks(train, options.block_size), TokenBlocks(held_out, options.block_size)
+    return TokenBlocks(train, options.task.block_size), TokenBlocks(held_out, options.task.block_size)
 
 
 @register_dataset("tokens")
 def token_files(options: TrainOptions, env: DistEnv, device: torch.device) -> tuple[Dataset, Dataset]:
-    root = Path(options.data_dir)
+    root = Path(options.task.data_dir)
     for name in ("train.bin", "val.bin"):
         if not (root / name).is_file():
             raise UsageError(f"--data-dir {root}: expected {root / name} (uint16 token ids, nanoGPT's format) "
                              "for --data tokens")
-    return TokenBlocks(root / "train.bin", options.block_size), TokenBlocks(root / "val.bin", options.block_size)
+    block_size = options.task.block_size
+    return TokenBlocks(root / "train.bin", block_size), TokenBlocks(root / "val.bin", block_size)
 
 
 def vocab_size(options: TrainOptions) -> int:
-    if options.vocab_size is not None:
-        return options.vocab_size
-    return 50304 if options.data == "tokens" else 256  # GPT-2's 50257, padded to a multiple of 64
+    if options.task.vocab_size is not None:
+        return options.task.vocab_size
+    return 50304 if options.task.data == "tokens" else 256  # GPT-2's 50257, padded to a multiple of 64
 
 
 # ---- model -------------------------------------------------------------------------------------------------
@@ -403,8 +416,8 @@ class GPT(nn.Module):
 
 @register_model("gpt")
 def gpt(options: TrainOptions, train_set: Dataset) -> nn.Module:
-    return GPT(vocab_size(options), options.block_size, options.n_layer, options.n_head, options.n_embd,
-               options.dropout)
+    task = options.task
+    return GPT(vocab_size(options), task.block_size, task.n_layer, task.n_head, task.n_embd, task.dropout)
 
 
 def build_optimizer(model: nn.Module, options: TrainOptions) -> torch.optim.Optimizer:
@@ -418,71 +431,63 @@ def build_optimizer(model: nn.Module, options: TrainOptions) -> torch.optim.Opti
 
 # ---- loss and evaluation -----------------------------------------------------------------------------------
 
-def compute_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The mean next-token cross-entropy over every position of the batch."""
-    return F.cross_entropy(outputs.float().flatten(0, 1), targets.flatten())
+def logits_and_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's logits for a batch and the mean next-token cross-entropy over every position: the one path
+    training and evaluation share."""
+    tokens, next_tokens = batch
+    logits = model(tokens).float()
+    return logits, F.cross_entropy(logits.flatten(0, 1), next_tokens.flatten())
 
 
-def evaluation_sums(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Sums over one held-out batch, each a number or a tensor of any shape (per-class counts, a confusion
-    matrix); they are added up exactly over batches and ranks, then passed to summarize (one-element sums as
-    floats, others as tensors). The THROUGHPUT_UNIT key counts what was evaluated."""
-    count = targets.numel()
-    return {"loss": compute_loss(outputs, targets) * count, "tokens": torch.tensor(count)}
+def compute_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one there."""
+    return logits_and_loss(model, batch)[1]
 
 
-def summarize(sums: dict[str, float]) -> dict[str, float]:
-    """The logged evaluation metrics, from sums over the whole held-out split (every rank)."""
+def evaluation_sums(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Sums over one held-out batch, each a number or a tensor of any shape; they are added up exactly over
+    batches and ranks, then passed to summarize. The THROUGHPUT_UNIT key counts what was evaluated."""
+    _, loss = logits_and_loss(model, batch)
+    count = batch[1].numel()
+    return {"loss": loss * count, "tokens": torch.tensor(count)}
+
+
+def summarize(sums: dict, outputs: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The logged evaluation metrics, from sums over the whole held-out split (every rank). `outputs` holds the
+    per-sample rows of evaluation_outputs(model, batch) from every rank, if you define it (here: {})."""
     loss = sums["loss"] / sums["tokens"]
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": int(sums["tokens"])}
 
 
-def units_per_sample(options: TrainOptions) -> int:
-    """THROUGHPUT_UNITs in one sample of the training set: the tokens of a block."""
-    return options.block_size
+def units_in_batch(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | int:
+    """THROUGHPUT_UNITs in a batch: its target tokens (with padding, count only the real ones: a mask's sum)."""
+    return batch[1].numel()
 
 
 def model_flops_per_unit(model: nn.Module, options: TrainOptions) -> float | None:
     """Training FLOPs per token, for model FLOPs utilisation (PaLM's appendix B, as nanoGPT): 6 per parameter
     (forward 2, backward 4) plus attention's 12 x layers x width x context. Position embeddings are a lookup."""
-    parameters = sum(p.numel() for p in model.parameters()) - options.block_size * options.n_embd
-    return 6 * parameters + 12 * options.n_layer * options.n_embd * options.block_size
+    task = options.task
+    parameters = sum(p.numel() for p in model.parameters()) - task.block_size * task.n_embd
+    return 6 * parameters + 12 * task.n_layer * task.n_embd * task.block_size
 
 
 # ---- checks, before any process group starts ---------------------------------------------------------------
 
 def check_options(options: TrainOptions) -> None:
-    """Refuse a --data or --model name nothing is registered under, and values this task cannot use."""
-    if options.data not in DATASETS:
-        raise UsageError(unknown_name("data", options.data, DATASETS, "register_dataset"))
-    if options.model not in MODELS:
-        raise UsageError(unknown_name("model", options.model, MODELS, "register_model"))
+    """Refuse values this task cannot use (registry.py has already checked the --data and --model names)."""
+    task = options.task
     for name in ("fake_samples", "block_size", "n_layer", "n_head", "n_embd"):
-        if getattr(options, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(options, name)}")
-    if options.n_embd % options.n_head:
-        raise UsageError(f"--n-embd {options.n_embd} must be a multiple of --n-head {options.n_head}")
-    if not 0 <= options.dropout < 1:
-        raise UsageError(f"--dropout must be in [0, 1), got {options.dropout}")
-    if options.vocab_size is not None and not 1 <= options.vocab_size <= 65536:
-        raise UsageError(f"--vocab-size must be between 1 and 65536 (uint16 token ids), got {options.vocab_size}")
-    if options.data == "text":
-        text_files(options.data_dir)
-    if options.data == "tokens":
+        if getattr(task, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(task, name)}")
+    if task.n_embd % task.n_head:
+        raise UsageError(f"--n-embd {task.n_embd} must be a multiple of --n-head {task.n_head}")
+    if not 0 <= task.dropout < 1:
+        raise UsageError(f"--dropout must be in [0, 1), got {task.dropout}")
+    if task.vocab_size is not None and not 1 <= task.vocab_size <= 65536:
+        raise UsageError(f"--vocab-size must be between 1 and 65536 (uint16 token ids), got {task.vocab_size}")
+    if task.data == "text":
+        text_files(task.data_dir)
+    if task.data == "tokens":
         token_files(options, DistEnv(), torch.device("cpu"))  # only checks the files: cheap
-
-
-def unknown_name(kind: str, name: str, registry: dict, decorator: str) -> str:
-    close = difflib.get_close_matches(name, list(registry), n=3)
-    hint = f"did you mean {', '.join(close)}?" if close else f"known: {', '.join(sorted(registry))}."
-    return (f"--{kind} {name!r} is not registered; {hint} To add it, register a builder with "
-            f"@{decorator}({name!r}) in {__name__.replace('.', '/')}.py")
 {%- endif %}
-
-
-def build_datasets(options: TrainOptions, env: DistEnv, device: torch.device) -> tuple[Dataset, Dataset]:
-    return DATASETS[options.data](options, env, device)
-
-
-def build_model(options: TrainOptions, train_set: Dataset) -> nn.Module:
-    return MODELS[options.model](options, train_set)

@@ -9,13 +9,13 @@ import os
 import tempfile
 import time
 import uuid
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 
 from ..distributed import DistEnv, all_reduce_int, barrier, broadcast_object
-from ..options import TrainOptions, UsageError, flag
+from ..options import TrainOptions, UsageError, every_option, fixed_under_a_checkpoint, flag
 from ..parallel import check_replicas_match, sync_buffers_from_main
 from ..reproducibility import restore_rng_states
 
@@ -69,8 +69,6 @@ def checkpoint_mismatch(path: Path, error: Exception) -> UsageError:
                       "use another --ckpt-dir, or the options it was trained with")
 
 
-# Options a checkpoint cannot be resumed under once changed: its tensors would not fit them.
-FIXED_UNDER_A_CHECKPOINT = ("model", "num_classes", "vocab_size", "block_size", "n_layer", "n_head", "n_embd")
 # What a changed option does to a resumed run, where that is not plain from its --help.
 EFFECT_OF_CHANGING = {
     "epochs": "the LR schedule is re-planned over the new --epochs from this step on",
@@ -89,10 +87,10 @@ def check_resumed_options(saved: dict | None, options: TrainOptions, source: Pat
     """Stop on a changed option the checkpoint cannot take; log the others in one line with their effect."""
     if not saved:  # a checkpoint from before options were recorded
         return
-    current = asdict(options)
+    current = every_option(options)
     changed = [name for name, value in current.items()
                if name in saved and saved[name] != value and name not in CHANGED_BY_EVERY_RESUME]
-    fixed = [name for name in changed if name in FIXED_UNDER_A_CHECKPOINT]
+    fixed = [name for name in changed if name in fixed_under_a_checkpoint(options)]
     if fixed:
         was = ", ".join(f"--{flag(name)} {saved[name]}" for name in fixed)
         asked = ", ".join(f"--{flag(name)} {current[name]}" for name in fixed)

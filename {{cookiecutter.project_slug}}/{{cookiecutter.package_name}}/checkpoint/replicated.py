@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from ..distributed import all_reduce_int, broadcast_object
+from ..options import every_option
 from ..reproducibility import gather_rng_states
 from .common import Checkpointer, TrainingProgress, elect_writers, fsync_directory, log
 
@@ -120,7 +121,7 @@ class ReplicatedCheckpointer(Checkpointer):
         path = checkpoint_path(self.ckpt_dir, progress.step)
         state = training_state(self.components, progress, self.env.world_size)
         save_checkpoint_atomically({**state, **rng_states,
-                                    "options": asdict(self.options)}, path)
+                                    "options": every_option(self.options)}, path)
         delete_old_checkpoints(self.ckpt_dir, self.keep, just_written=path)
         return path
 

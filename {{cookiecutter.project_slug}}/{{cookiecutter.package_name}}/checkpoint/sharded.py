@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ..distributed import barrier, broadcast_object
-from ..options import UsageError
+from ..options import UsageError, every_option
 from ..reproducibility import gather_rng_states
 from .common import Checkpointer, TrainingProgress, elect_writers, fsync_directory, log
 
@@ -92,7 +92,7 @@ class ShardedCheckpointer(Checkpointer):
         partial = self.ckpt_dir / f".step-{progress.step}.partial"
         dcp.save(self._state(progress, self.env.world_size), checkpoint_id=partial)  # all shards and .metadata
         if self.env.is_main_process:
-            (partial / OPTIONS_FILE).write_text(json.dumps(asdict(self.options), indent=1))
+            (partial / OPTIONS_FILE).write_text(json.dumps(every_option(self.options), indent=1))
             publish(partial, final)
             for _, old in list_sharded_checkpoints(self.ckpt_dir)[self.keep:]:
                 if old != final:  # never the one just written, whatever steps older folders claim
