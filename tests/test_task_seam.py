@@ -5,14 +5,26 @@ restart it."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import re
 import shutil
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from conftest import assert_project_tests_pass, run
+from conftest import (
+    assert_bitwise_equal,
+    assert_project_tests_pass,
+    checkpoint,
+    paused,
+    run,
+    tool_env,
+    wait_for,
+)
 
 
 def readme_block(project: Path, language: str, section: str = "## Make it yours") -> str:
@@ -126,3 +138,80 @@ def test_evaluation_sums_any_shape_and_a_collective_in_it_does_not_hang(default_
     metrics = dict(re.findall(r"(\w+) ([\d.]+)", line.split("eval ", 1)[1]))
     assert line.endswith("on 129 held-out samples") and float(metrics["confusion_total"]) == 129, line
     assert metrics["confusion_accuracy"] == metrics["accuracy"], line
+
+
+def trains_resumes_bitwise_after_kill_9_and_passes_its_tests(project: Path, tmp_path: Path, args: list[str]) -> None:
+    """2 ranks to the end, and again with a worker killed (kill -9) after the first checkpoint: torchrun restarts
+    the group, and the last checkpoints agree bit for bit. Then the project's own smoke tests."""
+    def command(ckpt_dir: Path) -> list[str]:
+        return ["torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=1", "train.py", *args,
+                "--ckpt-every", "4", "--keep-checkpoints", "100", "--ckpt-dir", str(ckpt_dir)]
+    uninterrupted = run(command(tmp_path / "uninterrupted"), cwd=project)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-4000:]
+    killed = subprocess.Popen(command(tmp_path / "killed"), cwd=project, env=tool_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    wait_for(tmp_path / "killed" / "step-4.pt", killed)
+    with paused(killed) as workers:
+        os.kill(workers[-1], signal.SIGKILL)
+    output = killed.communicate(timeout=300)[0]
+    assert killed.returncode == 0 and "restart=1" in output, output[-4000:]
+    final = max(int(path.stem.split("-")[1]) for path in (tmp_path / "uninterrupted").glob("step-*.pt"))
+    resumed, expected = checkpoint(tmp_path / "killed", final), checkpoint(tmp_path / "uninterrupted", final)
+    assert_bitwise_equal(resumed, expected)
+    assert resumed["cpu_rng_states"] == expected["cpu_rng_states"]
+    assert_project_tests_pass(project)
+
+
+def apply_readme_example(project: Path, tmp_path: Path, section: str) -> None:
+    (tmp_path / "example.diff").write_text(readme_block(project, "diff", section))
+    patched = run(["patch", "-p1", "-i", str(tmp_path / "example.diff")], cwd=project)
+    assert patched.returncode == 0, patched.stdout + patched.stderr
+    assert patched.stdout.split() == ["patching", "file", f"{project.name.replace('-', '_')}/task.py"], \
+        "one file changes"
+    lint = run(["ruff", "check", "."], cwd=project)
+    assert lint.returncode == 0, lint.stdout
+
+
+@pytest.mark.slow
+def test_readme_dict_batch_example_trains_resumes_and_counts_words(bake, tmp_path):
+    project = bake(project_name="Word Tags")
+    apply_readme_example(project, tmp_path, "### Dict batches of many lengths")
+    args = ["--data", "tagged", "--model", "tagger", "--num-classes", "4", "--fake-samples", "512", "--batch-size",
+            "16", "--num-workers", "0", "--device", "cpu", "--lr", "0.5", "--log-every", "8", "--max-steps", "48"]
+    trains_resumes_bitwise_after_kill_9_and_passes_its_tests(project, tmp_path, args)
+    result = run(["torchrun", "--standalone", "--nproc-per-node=2", "train.py", *args, "--max-steps", "16",
+                  "--ckpt-dir", str(tmp_path / "short"), "--log-dir", str(tmp_path / "logs")], cwd=project)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    [evaluation] = [row for row in rows if row["kind"] == "eval"]
+    assert evaluation["accuracy"] > 0.6 and 500 < evaluation["tokens"] < 128 * 12, evaluation  # words, no padding
+    assert all("tokens_per_sec" in row for row in rows if row["kind"] == "train")
+
+
+# The example's summarize, checked: one row per evaluated sample (the sums count 129 held-out samples: the log
+# line), from every rank, none twice.
+EVERY_ROW_ONCE = '''
+
+_example_summary = summarize
+
+
+def summarize(sums, outputs):
+    assert len(outputs["score"]) == sums["samples"], (len(outputs["score"]), sums["samples"])
+    return _example_summary(sums, outputs)
+'''
+
+
+@pytest.mark.slow
+def test_readme_whole_set_metric_example_gathers_every_row_once(bake, tmp_path):
+    project = bake(project_name="Auc Check")
+    apply_readme_example(project, tmp_path, "### A metric over the whole held-out set")
+    task = project / "auc_check" / "task.py"
+    task.write_text(task.read_text() + EVERY_ROW_ONCE)
+    # 129 held-out samples on 2 ranks: 9 batches of 8 against 8 (the short rank repeats one, uncounted).
+    args = ["--model", "small_cnn", "--num-classes", "2", "--fake-samples", "516", "--image-size", "16",
+            "--batch-size", "8", "--num-workers", "0", "--device", "cpu", "--max-steps", "40"]
+    trains_resumes_bitwise_after_kill_9_and_passes_its_tests(project, tmp_path, args)
+    result = run(["python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py", *args,
+                  "--ckpt-dir", str(tmp_path / "uninterrupted")], cwd=project)  # resumes at the end: evaluates
+    auc = [float(value) for value in re.findall(r"\| auc ([\d.]+) on 129 held-out samples", result.stderr)]
+    assert auc and all(0.5 < value <= 1 for value in auc), result.stderr[-3000:]

@@ -349,7 +349,7 @@ def stop_job_for_usage_error(error: UsageError, env: DistEnv | None) -> None:
 
     torchrun restarts the whole worker group whenever a worker exits non-zero (up to --max-restarts times), and
     offers no exit status that means "do not restart": a bad flag on 2 ranks with 3 restarts printed its line 8
-    times and took 16 s (issue 12). An error found identically on every rank is printed by rank 0 alone, and
+    times and took 16 s. An error found identically on every rank is printed by rank 0 alone, and
     the first rank of every machine ends its torchrun agent with SIGKILL: a killed agent starts nothing more
     and prints nothing (after SIGTERM it prints a 30-line traceback of its own). The job's exit status is then
     137 ("killed"), and the one line above it says why. An error only some ranks see (same_on_every_rank=False),

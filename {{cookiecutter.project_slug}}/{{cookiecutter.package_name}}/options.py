@@ -135,7 +135,7 @@ def flag(name: str) -> str:
 
 class DefaultsOnceFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Adds "(default: X)" to each flag's help, except where the help already says what its default means
-    ("(default: no limit)" was followed by "(default: None)", issue 14) and where the default is None: such a
+    ("(default: no limit)" was followed by "(default: None)") and where the default is None: such a
     flag is off unless given, which "(default: None)" does not say any better."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:

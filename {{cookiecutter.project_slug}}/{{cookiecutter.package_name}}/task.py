@@ -146,7 +146,7 @@ class LearnableFakeData(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         # A generator of its own, not torch.manual_seed: that also queues a seed for every lazily
-        # initialised GPU backend, with a stack trace each time, and cost 1 ms a sample (benchmarks/).
+        # initialised GPU backend, with a stack trace each time, and cost 1 ms a sample.
         generator = torch.Generator().manual_seed(self.offset + index)
         label = int(torch.randint(self.num_classes, (), generator=generator))
         noise = torch.rand(self.shape, generator=generator)
