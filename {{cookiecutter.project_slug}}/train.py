@@ -37,7 +37,13 @@ from {{ cookiecutter.package_name }}.distributed import (
     stop_job_for_usage_error,
 )
 from {{ cookiecutter.package_name }}.metrics import build_meter, describe_job, evaluate, log, setup_logging
-from {{ cookiecutter.package_name }}.optim import MixedPrecision, build_lr_schedule, planned_steps, resolve_precision
+from {{ cookiecutter.package_name }}.optim import (
+    MixedPrecision,
+    as_one_optimizer,
+    build_lr_schedule,
+    planned_steps,
+    resolve_precision,
+)
 from {{ cookiecutter.package_name }}.options import TrainOptions, UsageError, parse_options
 from {{ cookiecutter.package_name }}.parallel import (
     check_replicas_match,
@@ -65,7 +71,8 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     amp = MixedPrecision(resolve_precision(options.precision, device), device)
     # Forward and backward through training_model (DDP or FSDP2, maybe compiled); save and evaluate `model`.
     training_model = wrap_model(model, device, options.strategy, options.compile, param_dtype=amp.param_dtype)
-    optimizer = task.build_optimizer(model, options)  # after wrapping: FSDP2 swaps in sharded parameters
+    # After wrapping: FSDP2 swaps in sharded parameters. Several named optimizers are stepped as one.
+    optimizer = as_one_optimizer(task.build_optimizer(model, options))
     steps_per_epoch = len(train_loader) // options.grad_accum
     lr_schedule = build_lr_schedule(optimizer, options, steps_per_epoch)
     checkpointer = build_checkpointer(options, env, device, model=model, optimizer=optimizer,

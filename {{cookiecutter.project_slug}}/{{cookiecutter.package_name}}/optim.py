@@ -1,6 +1,7 @@
-"""Around the optimizer step: mixed precision (autocast, and the gradient scaler fp16 needs) and the
-learning-rate schedule (linear warmup, then cosine decay or constant). The optimizer itself is built in
-task.py; the step is written out in train.py."""
+"""Around the optimizer step: several optimizers stepped as one, mixed precision (autocast, and the gradient
+scaler fp16 needs), the learning-rate schedule (linear warmup, then cosine decay or constant) and an
+exponential moving average of the weights. The optimizers themselves are built in task.py; the step is
+written out in train.py."""
 
 from __future__ import annotations
 
@@ -13,6 +14,66 @@ from torch.optim.lr_scheduler import LambdaLR
 from .options import TrainOptions, UsageError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Optimizers(torch.optim.Optimizer):
+    """Several named optimizers (a backbone's SGD, a head's AdamW) that train.py steps as one: the gradient
+    scaler unscales and steps them all, the LR schedule scales every one's param groups, and a checkpoint holds
+    each one's state under its name.
+
+    Optimizer.__init__ is not called: this object holds no parameters or state of its own, only views of its
+    members' groups (torchtitan's OptimizersContainer is the larger version of this)."""
+
+    def __init__(self, optimizers: dict[str, torch.optim.Optimizer]):
+        owners: dict[int, str] = {}
+        for name, optimizer in optimizers.items():
+            for group in optimizer.param_groups:
+                for parameter in group["params"]:
+                    if owners.setdefault(id(parameter), name) != name:
+                        raise UsageError(f"task.build_optimizer: optimizers {owners[id(parameter)]!r} and {name!r} "
+                                         "share a parameter, which would be stepped twice; give each its own")
+        self.optimizers = optimizers
+        self.defaults = {}
+        self.state = {}
+
+    @property
+    def param_groups(self) -> list[dict]:
+        # Looked up each time: an optimizer's load_state_dict replaces its group objects, and the LR schedule
+        # must scale the ones it steps with.
+        return [group for optimizer in self.optimizers.values() for group in optimizer.param_groups]
+
+    def step(self, closure=None) -> None:
+        for optimizer in self.optimizers.values():
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers.values():
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {name: optimizer.state_dict() for name, optimizer in self.optimizers.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, optimizer in self.optimizers.items():
+            optimizer.load_state_dict(state[name])
+
+    def __repr__(self) -> str:
+        return f"Optimizers({', '.join(f'{name}={type(opt).__name__}' for name, opt in self.optimizers.items())})"
+
+
+def as_one_optimizer(built: torch.optim.Optimizer | dict[str, torch.optim.Optimizer]) -> torch.optim.Optimizer:
+    """What task.build_optimizer returned, as one optimizer: itself, or several named ones as Optimizers."""
+    if isinstance(built, torch.optim.Optimizer):
+        return built
+    if isinstance(built, dict) and built and all(isinstance(value, torch.optim.Optimizer) for value in built.values()):
+        return built[next(iter(built))] if len(built) == 1 else Optimizers(built)
+    raise UsageError(f"task.build_optimizer returned {type(built).__name__}; return an optimizer, or a dict of "
+                     "named optimizers over disjoint parameters")
+
+
+def member_optimizers(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The plain optimizers behind `optimizer`: its members if it is Optimizers, else itself."""
+    return list(optimizer.optimizers.values()) if isinstance(optimizer, Optimizers) else [optimizer]
 
 
 def resolve_precision(requested: str, device: torch.device) -> str:
@@ -91,3 +152,41 @@ def build_lr_schedule(optimizer: torch.optim.Optimizer, options: TrainOptions, s
     warmup_steps = options.warmup_steps if options.warmup_steps is not None else total_steps // 20
     # A lambda, which LambdaLR leaves out of its state_dict: nothing but the step count is restored.
     return LambdaLR(optimizer, lambda step: warmup_then_decay(step, warmup_steps, total_steps, options.lr_schedule))
+
+
+class ExponentialMovingAverage:
+    """An exponential moving average of a model's parameters, e.g. to evaluate with. Under DDP the averages are
+    plain tensors; under FSDP2 they are DTensors sharded like the parameters, so each rank averages its own
+    shard without communicating (torch.optim.swa_utils.AveragedModel deep-copies the module, which FSDP2
+    refuses). Pass it to build_checkpointer() and a resume continues it exactly."""
+
+    def __init__(self, model: torch.nn.Module, decay: float):
+        self.decay = decay
+        self.averages = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
+
+    @torch.no_grad()
+    def update(self, model: torch.nn.Module) -> None:
+        """After each optimizer step: average += (1 - decay) * (parameter - average)."""
+        for name, parameter in model.named_parameters():
+            self.averages[name].lerp_(parameter.detach(), 1 - self.decay)
+
+    @contextlib.contextmanager
+    @torch.no_grad()
+    def swapped_into(self, model: torch.nn.Module):
+        """The averages in the model's parameters inside the block (evaluate them), the trained values after."""
+        trained = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
+        for name, parameter in model.named_parameters():
+            parameter.copy_(self.averages[name])
+        try:
+            yield model
+        finally:
+            for name, parameter in model.named_parameters():
+                parameter.copy_(trained[name])
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.averages)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, average in self.averages.items():
+                average.copy_(state[name])

@@ -138,6 +138,9 @@ class Checkpointer:
         self.keep = options.keep_checkpoints
         self.env = env
         self.device = device
+        if "model" not in components:
+            raise UsageError("build_checkpointer needs the unwrapped model as model=...; name everything else as "
+                             "you like")
         self.components = components
         self.last_saved_step: int | None = None
 

@@ -17,9 +17,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from ..distributed import barrier, broadcast_object
+from ..optim import member_optimizers
 from ..options import UsageError, every_option
 from ..reproducibility import gather_rng_states
 from .common import Checkpointer, TrainingProgress, elect_writers, fsync_directory, log
@@ -61,8 +67,6 @@ class ShardedCheckpointer(Checkpointer):
     Every rank holds only its shards, so every rank writes; --ckpt-dir must be one folder all nodes share.
     """
 
-    restored_by_read = frozenset({"model", "optimizer"})  # set_state_dict places the shards
-
     def __init__(self, options, env, device, **components):
         super().__init__(options, env, device, **components)
         _, storages = elect_writers(self.ckpt_dir, env, device)
@@ -75,17 +79,27 @@ class ShardedCheckpointer(Checkpointer):
                 shutil.rmtree(leftover, ignore_errors=True)
                 log.warning("removed %s, left by a save that was interrupted", leftover)
         barrier(device)
+        # The model and every optimizer, whatever its name, go through torch's distributed state_dict API:
+        # parameter names without wrapper prefixes, optimizer state keyed by those names (not by position) and
+        # filled in before an optimizer's first step (a fresh optimizer's own state_dict() is empty, and a
+        # load into it would restore nothing, silently), each rank's tensors only its shards.
+        self.restored_by_read = frozenset(
+            name for name, component in components.items()
+            if name == "model" or isinstance(component, torch.optim.Optimizer))
 
     def _state(self, progress: TrainingProgress, world_size: int) -> dict:
-        # get_state_dict: parameter names without wrapper prefixes, optimizer state keyed by those names (not
-        # by position), each rank's tensors only its shards, as DTensors DCP knows how to place.
-        model_state, optimizer_state = get_state_dict(self.components["model"], self.components["optimizer"])
+        model = self.components["model"]
+        state = {}
+        for name, component in self.components.items():
+            if name == "model":
+                state[name] = get_model_state_dict(model)
+            elif isinstance(component, torch.optim.Optimizer):
+                state[name] = get_optimizer_state_dict(model, member_optimizers(component))
+            else:
+                state[name] = component.state_dict()  # lr schedule, gradient scaler, an EMA: DCP takes any
         # Every rank's own CPU and CUDA generator states (a collective).
-        return {"model": model_state, "optimizer": optimizer_state, "torch_rng_state": torch.get_rng_state(),
-                **gather_rng_states(self.env, self.device),
-                "progress": {**asdict(progress), "world_size": world_size},
-                **{name: component.state_dict() for name, component in self.components.items()
-                   if name not in self.restored_by_read}}  # lr schedule, gradient scaler: small, plain objects
+        return {**state, "torch_rng_state": torch.get_rng_state(), **gather_rng_states(self.env, self.device),
+                "progress": {**asdict(progress), "world_size": world_size}}
 
     def write(self, progress: TrainingProgress) -> Path | None:
         final = self.ckpt_dir / f"step-{progress.step}"
@@ -129,8 +143,12 @@ class ShardedCheckpointer(Checkpointer):
         state["progress"] = {name: value for name, value in state["progress"].items()
                              if name in progress_fields | {"world_size"}}
         dcp.load(state, checkpoint_id=source)  # into this rank's shards, from whichever ranks saved them
-        set_state_dict(self.components["model"], self.components["optimizer"], model_state_dict=state["model"],
-                       optim_state_dict=state.get("optimizer", {}))
+        model = self.components["model"]
+        for name in self.restored_by_read & components:
+            if name == "model":
+                set_model_state_dict(model, state[name])
+            else:
+                set_optimizer_state_dict(model, member_optimizers(self.components[name]), state[name])
         return state
 
 
