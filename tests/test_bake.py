@@ -193,18 +193,18 @@ def test_strategy_answer_is_the_default_of_the_strategy_flag(bake, strategy):
     assert re.search(rf"--strategy \{{ddp,fsdp2\}}.*?\(default: {strategy}\)", result.stdout, re.DOTALL)
 
 
-def test_only_task_py_and_the_readme_differ_between_the_tasks(default_project, bake):
+def test_only_task_py_and_the_readme_differ_between_the_tasks(bake):
     # The package's machinery names no task: options, checkpoints, loop and tests are the same for every task.
-    language_model = bake(task="language_model")
+    default_project, language_model = bake(), bake(task="language_model")  # fresh: others run the shared one
     assert project_files(language_model) == project_files(default_project)
     differing = {name for name in project_files(default_project)
                  if (default_project / name).read_bytes() != (language_model / name).read_bytes()}
     assert differing == {"ddp_training/task.py", "README.md", ".cookiecutter.json", "pyproject.toml"}, differing
 
 
-def test_generated_code_cites_no_template_issue_or_folder(default_project, bake):
+def test_generated_code_cites_no_template_issue_or_folder(bake):
     # A user's project has neither the template's issues nor its benchmarks/ folder.
-    for project in (default_project, bake(task="language_model", strategy="fsdp2", use_kubernetes="yes")):
+    for project in (bake(), bake(task="language_model", strategy="fsdp2", use_kubernetes="yes")):
         for name in project_files(project):
             text = (project / name).read_text()
             assert not re.search(r"\bissues? #?\d+|\bbenchmarks/", text, re.IGNORECASE), name
