@@ -28,8 +28,8 @@ DEFAULT_FILES = {
     "tests/harness.py", "tests/test_smoke.py",
     *(f"ddp_training/{name}.py" for name in
       ("__init__", "checkpoint/__init__", "checkpoint/common", "checkpoint/replicated", "checkpoint/sharded", "data",
-       "distributed", "export", "metrics", "optim", "options", "parallel", "preflight", "registry", "reproducibility",
-       "task", "watchdog")),
+       "distributed", "export", "failure", "metrics", "optim", "options", "parallel", "preflight", "registry",
+       "reproducibility", "task", "watchdog")),
 }
 
 # Every value class each answer admits; each is baked and checked.

@@ -61,6 +61,8 @@ def test_kill_9_of_a_worker_mid_epoch_resumes_bitwise(default_project, uninterru
     output = launcher.communicate(timeout=300)[0]
     assert launcher.returncode == 0, output
     assert "restart=1" in output and "resuming from" in output
+    # The surviving rank's failed collective is the recovery starting, not a second error: one line.
+    assert "[rank 0] lost another rank (" in output and "Traceback" not in output, output
     assert_bitwise_equal(checkpoint(tmp_path, 40), checkpoint(uninterrupted_bare, 40))
 
 

@@ -215,3 +215,54 @@ def test_readme_whole_set_metric_example_gathers_every_row_once(bake, tmp_path):
                   "--ckpt-dir", str(tmp_path / "uninterrupted")], cwd=project)  # resumes at the end: evaluates
     auc = [float(value) for value in re.findall(r"\| auc ([\d.]+) on 129 held-out samples", result.stderr)]
     assert auc and all(0.5 < value <= 1 for value in auc), result.stderr[-3000:]
+
+
+# A bug in task code that shows on the same batch every time (here: in collate, inside a DataLoader worker).
+COLLATE_BUG = '''
+
+from torch.utils.data import default_collate
+
+
+def collate(samples):
+    images, labels = default_collate(samples)
+    if int(labels.sum()) % 7 == 3:
+        raise ValueError(f"bad batch: label sum {int(labels.sum())}")
+    return images, labels
+'''
+
+
+@pytest.mark.slow
+def test_a_bug_in_task_code_is_reported_once_per_job_and_not_retrained(default_project, tmp_path):
+    project = shutil.copytree(default_project, tmp_path / "project")
+    task = project / "ddp_training" / "task.py"
+    task.write_text(task.read_text() + COLLATE_BUG)
+    stop_requeue = tmp_path / "slurm-1.bug"
+    result = run(["torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=3", "train.py", "--model",
+                  "small_cnn", "--image-size", "16", "--batch-size", "8", "--num-workers", "1", "--max-steps", "100",
+                  "--device", "cpu", "--ckpt-dir", str(tmp_path / "ckpt")], cwd=project,
+                 STOP_REQUEUE_FILE=str(stop_requeue))
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    ours = output.split("train.py FAILED")[0]  # torchrun's own summary follows
+    assert len(re.findall(r"\[rank\d\]: Traceback", ours)) == 1, output  # one rank's, once per job
+    assert ours.count("ValueError: bad batch: label sum") == 1, output
+    bug_lines = [line for line in ours.splitlines() if line.startswith("error: ")]
+    assert len(bug_lines) == 1 and "a bug, not a fault, so the job is not retried" in bug_lines[0], output
+    assert stop_requeue.read_text() == bug_lines[0] + "\n"  # for train.sbatch: no requeue
+    # Attempts 0 and 1 trained (a retry may meet a transient fault's end); 2 and 3 ended before training.
+    assert [int(n) for n in re.findall(r"run_id=\S+ restart=(\d)", ours)] == [0, 1], output
+
+
+@pytest.mark.slow
+def test_a_transient_exception_is_retried(default_project, tmp_path):
+    # Raised once (the first attempt only): the retry trains to the end and exits 0.
+    project = shutil.copytree(default_project, tmp_path / "project")
+    task = project / "ddp_training" / "task.py"
+    task.write_text(task.read_text() + COLLATE_BUG.replace(
+        "int(labels.sum()) % 7 == 3", f"int(labels.sum()) % 7 == 3 and not Path({str(tmp_path / 'once')!r}).exists()"
+        f" and Path({str(tmp_path / 'once')!r}).touch() is None"))
+    result = run(["torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=3", "train.py", "--model",
+                  "small_cnn", "--image-size", "16", "--batch-size", "8", "--num-workers", "0", "--max-steps", "40",
+                  "--device", "cpu", "--ckpt-dir", str(tmp_path / "ckpt")], cwd=project)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "restart=1" in result.stderr and "a bug, not a fault" not in result.stderr

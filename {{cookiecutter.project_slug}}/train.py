@@ -36,6 +36,7 @@ from {{ cookiecutter.package_name }}.distributed import (
     select_device,
     stop_job_for_usage_error,
 )
+from {{ cookiecutter.package_name }}.failure import CrashRecord, end_attempt_after
 from {{ cookiecutter.package_name }}.metrics import build_meter, describe_job, evaluate, log, setup_logging
 from {{ cookiecutter.package_name }}.optim import (
     MixedPrecision,
@@ -135,7 +136,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
 
 @record  # an uncaught exception's traceback reaches torchrun's failure summary
 def main(argv: list[str] | None = None) -> None:
-    env = None
+    env = crashes = None
     try:
         env = DistEnv.from_environ()
         setup_logging(env)
@@ -145,11 +146,16 @@ def main(argv: list[str] | None = None) -> None:
         # Bad input fails here, on every rank, before any process group or download starts.
         task.check(options)
         check_checkpoint_dir(options.ckpt_dir)
+        crashes = CrashRecord(options.ckpt_dir, env)
+        if crashes.known_bug():  # reported by an earlier attempt of this job, and nothing has changed since
+            sys.exit(1)
         with distributed_session(env, device, timeout=options.collective_timeout()) as store:
             train(options, task, env, device, store)
     except UsageError as error:
         stop_job_for_usage_error(error, env)  # one line per job, and torchrun does not restart it
-
+    except Exception as error:
+        end_attempt_after(error, crashes, env or DistEnv())  # a lost peer or a repeated bug: one line at most
+        raise
 
 if __name__ == "__main__":
     # Importing torch made half a million objects that live as long as the process. Python's cycle collector

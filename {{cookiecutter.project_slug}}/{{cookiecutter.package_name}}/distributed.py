@@ -43,6 +43,8 @@ class DistEnv:
     launched_by_torchrun: bool = False
     # TORCHELASTIC_USE_AGENT_STORE: torchrun's store outlives restarts (see run_node.sh, pytorch#135712).
     store_shared_across_restarts: bool = False
+    # STOP_REQUEUE_FILE: where a bug found by a retry is written, for a requeue script (train.sbatch) to read.
+    stop_requeue_file: str | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> DistEnv:
@@ -65,6 +67,7 @@ class DistEnv:
             node_rank=numbers["GROUP_RANK"], restart_count=restart_count,
             run_id=environ.get("TORCHELASTIC_RUN_ID", "none"), launched_by_torchrun=True,
             store_shared_across_restarts=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            stop_requeue_file=environ.get("STOP_REQUEUE_FILE") or None,
         )
         env.check_consistent()
         return env

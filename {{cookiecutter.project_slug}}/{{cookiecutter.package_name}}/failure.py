@@ -1,0 +1,152 @@
+"""How a failed rank ends its attempt, so that a job's log says what happened once:
+
+- a rank that lost a peer (killed, its machine gone) prints one line, not a traceback: torchrun restarts the
+  group from the newest checkpoint, which is the recovery, not a second error;
+- a bug (the same exception at the same place, from the same checkpoint, with the same code, in two attempts
+  in a row) is reported once per job: the first attempt's traceback (one rank's; the others name it), one
+  line from the retry that met it again, and silence from any later attempt, which ends at once instead of
+  retraining the same steps into the same error. torchrun has no exit status that means "do not restart"
+  (pytorch/pytorch#133877), so the later attempts still start, and end within seconds.
+
+The record of the last crash lives in <ckpt-dir>/.crashes/, one file per job (its rendezvous id, which Slurm
+requeues and a PyTorchJob's restarted pods share). A requeue script can read a bug's line from the file that
+STOP_REQUEUE_FILE names (train.sbatch does), and not requeue.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sys
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from .distributed import DistEnv
+
+# What gloo and NCCL raise on a rank whose peer died: the group is gone, and torchrun restarts it.
+LOST_PEER = re.compile(r"Connection (reset|closed) by peer|Broken pipe|NCCL communicator was aborted|"
+                       r"remote process exited|Socket Timeout", re.IGNORECASE)
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def is_lost_peer(error: BaseException) -> bool:
+    return isinstance(error, dist.DistError) or bool(LOST_PEER.search(str(error)))
+
+
+def first_sentence(error: BaseException) -> str:
+    """"Connection closed by peer [10.0.0.2]:4211" out of gloo's "[.../pair.cc:561] Connection closed by peer
+    [10.0.0.2]:4211. This is typically caused by ...", or the exception's type."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().split("\n", 1)[0])
+    return re.split(r"\.\s", text, maxsplit=1)[0][:200] or type(error).__name__
+
+
+@dataclass(frozen=True)
+class Crash:
+    """An exception, where it was raised, from which checkpoint, with which code."""
+
+    error: str  # type and first line of the message
+    where: str  # file:line of the innermost frame
+    newest_checkpoint: str  # the newest step-<N> in --ckpt-dir when it happened
+    code: str  # a hash of train.py and the package's sources
+
+    @classmethod
+    def of(cls, error: BaseException, ckpt_dir: Path) -> Crash:
+        frames = traceback.extract_tb(error.__traceback__)
+        where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
+        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        return cls(f"{type(error).__name__}: {message}", where, newest_checkpoint_name(ckpt_dir), code_hash())
+
+    def same_as(self, other: Crash | None) -> bool:
+        return other is not None and asdict(self) == asdict(other)
+
+
+def newest_checkpoint_name(ckpt_dir: Path) -> str:
+    steps = [int(match[1]) for path in ckpt_dir.glob("step-*") if (match := re.fullmatch(r"step-(\d+)(\.pt)?",
+                                                                                        path.name))]
+    return f"step-{max(steps)}" if steps else "none"
+
+
+def code_hash() -> str:
+    digest = hashlib.sha256()
+    for path in sorted([PROJECT_ROOT / "train.py", *Path(__file__).parent.rglob("*.py")]):
+        if path.is_file():
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+class CrashRecord:
+    """The job's last crash, and whether it was found to be a bug, in <ckpt-dir>/.crashes/<run id>.json."""
+
+    def __init__(self, ckpt_dir: str, env: DistEnv):
+        self.ckpt_dir = Path(ckpt_dir)
+        self.env = env
+        folder = self.ckpt_dir / ".crashes"
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", env.run_id)
+        self.path = folder / f"{name}.json"
+        self.claim = folder / f"{name}.attempt-{env.restart_count}.reported"
+
+    def read(self) -> tuple[Crash | None, bool]:
+        try:
+            saved = json.loads(self.path.read_text())
+            return Crash(**saved["crash"]), bool(saved["bug"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None, False
+
+    def write(self, crash: Crash, bug: bool) -> None:
+        self.path.parent.mkdir(exist_ok=True)
+        partial = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+        partial.write_text(json.dumps({"crash": asdict(crash), "bug": bug}))
+        os.replace(partial, self.path)
+
+    def first_to_report(self) -> bool:
+        """True on the first rank of this attempt to ask; every rank that crashes asks."""
+        self.path.parent.mkdir(exist_ok=True)
+        try:
+            os.close(os.open(self.claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return True
+        except FileExistsError:
+            return False
+
+    def known_bug(self) -> bool:
+        """Whether an earlier attempt of this job found a bug that this attempt would meet again: nothing has
+        changed since (the same newest checkpoint, the same code)."""
+        if not self.env.launched_by_torchrun:
+            return False
+        crash, bug = self.read()
+        return bug and crash is not None and crash.newest_checkpoint == newest_checkpoint_name(self.ckpt_dir) \
+            and crash.code == code_hash()
+
+
+def end_attempt_after(error: Exception, record: CrashRecord | None, env: DistEnv) -> None:
+    """Called with the exception that ended train(); returns if Python should print its traceback, else
+    exits with status 1 after at most one line."""
+    prefix = f"[rank {env.rank}] " if env.world_size > 1 else ""
+    if is_lost_peer(error):
+        sys.stderr.write(f"{prefix}lost another rank ({first_sentence(error)}); "
+                         "torchrun restarts the group from the newest checkpoint\n")
+        sys.exit(1)
+    if record is None or not env.launched_by_torchrun:
+        return
+    crash = Crash.of(error, record.ckpt_dir)
+    previous, _ = record.read()
+    repeated = crash.same_as(previous)
+    first = record.first_to_report()
+    record.write(crash, bug=repeated)
+    if not repeated:
+        if first:
+            return  # the traceback, once: a retry may still succeed (a transient fault)
+        sys.stderr.write(f"{prefix}{crash.error} at {crash.where} (the traceback above is another rank's)\n")
+        sys.exit(1)
+    if first:
+        line = (f"error: {crash.error} at {crash.where} again, from the same checkpoint ({crash.newest_checkpoint}) "
+                "with the same code: a bug, not a fault, so the job is not retried (its traceback is above, "
+                "from the previous attempt); fix it and run the same command again")
+        sys.stderr.write(line + "\n")
+        if env.stop_requeue_file:
+            Path(env.stop_requeue_file).write_text(line + "\n")
+    sys.exit(1)
