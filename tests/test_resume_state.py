@@ -149,3 +149,13 @@ def test_a_field_added_to_training_progress_is_restored(default_project, tmp_pat
     torchrun(project, tmp_path / "ckpt", "--max-steps", "4")
     torchrun(project, tmp_path / "ckpt", "--max-steps", "8")
     assert checkpoint(tmp_path / "ckpt", 8)["loss_weight"] == 0.5 ** 8
+
+
+def test_a_resume_with_another_lr_schedules_the_new_one(default_project, tmp_path):
+    torchrun(default_project, tmp_path / "reference", "--max-steps", "8", "--lr", "0.01")
+    torchrun(default_project, tmp_path / "changed", "--max-steps", "4", "--lr", "0.01")
+    result = torchrun(default_project, tmp_path / "changed", "--max-steps", "8", "--lr", "0.02")
+    assert "--lr 0.01 -> 0.02" in result.stderr
+    reference = checkpoint(tmp_path / "reference", 8)["optimizer"]["param_groups"][0]["lr"]
+    changed = checkpoint(tmp_path / "changed", 8)["optimizer"]["param_groups"][0]["lr"]
+    assert changed == pytest.approx(2 * reference, rel=1e-12), (changed, reference)

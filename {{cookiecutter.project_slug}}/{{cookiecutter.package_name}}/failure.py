@@ -2,15 +2,16 @@
 
 - a rank that lost a peer (killed, its machine gone) prints one line, not a traceback: torchrun restarts the
   group from the newest checkpoint, which is the recovery, not a second error;
-- a bug (the same exception at the same place, from the same checkpoint, with the same code, in two attempts
-  in a row) is reported once per job: the first attempt's traceback (one rank's; the others name it), one
-  line from the retry that met it again, and silence from any later attempt, which ends at once instead of
-  retraining the same steps into the same error. torchrun has no exit status that means "do not restart"
-  (pytorch/pytorch#133877), so the later attempts still start, and end within seconds.
+- a bug (the same exception at the same place, from the same checkpoint, with the same code and command, in
+  two attempts in a row) is reported once per job: the first attempt's traceback (one rank's; the others name
+  it), one line from the retry that met it again, and silence from any later attempt under the same torchrun,
+  which ends at once instead of retraining the same steps into the same error. torchrun has no exit status
+  that means "do not restart" (pytorch/pytorch#133877), so the later attempts still start, and end within
+  seconds.
 
 The record of the last crash lives in <ckpt-dir>/.crashes/, one file per job (its rendezvous id, which Slurm
-requeues and a PyTorchJob's restarted pods share). A requeue script can read a bug's line from the file that
-STOP_REQUEUE_FILE names (train.sbatch does), and not requeue.
+requeues share): a requeued job that meets the same error again says so in one line, and writes it to the
+file STOP_REQUEUE_FILE names, from which train.sbatch learns not to requeue.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import hashlib
 import json
 import os
 import re
+import socket
 import sys
 import traceback
 from dataclasses import asdict, dataclass
@@ -35,7 +37,8 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
 def is_lost_peer(error: BaseException) -> bool:
-    return isinstance(error, dist.DistError) or bool(LOST_PEER.search(str(error)))
+    """A connection to another rank that broke; not any DistError (NCCL's invalid-usage errors are bugs)."""
+    return isinstance(error, dist.DistNetworkError) or bool(LOST_PEER.search(str(error)))
 
 
 def first_sentence(error: BaseException) -> str:
@@ -53,13 +56,16 @@ class Crash:
     where: str  # file:line of the innermost frame
     newest_checkpoint: str  # the newest step-<N> in --ckpt-dir when it happened
     code: str  # a hash of train.py and the package's sources
+    command: str  # a hash of the command line
 
     @classmethod
     def of(cls, error: BaseException, ckpt_dir: Path) -> Crash:
         frames = traceback.extract_tb(error.__traceback__)
         where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
         message = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        return cls(f"{type(error).__name__}: {message}", where, newest_checkpoint_name(ckpt_dir), code_hash())
+        command = hashlib.sha256("\0".join(sys.argv).encode()).hexdigest()[:16]
+        return cls(f"{type(error).__name__}: {message}", where, newest_checkpoint_name(ckpt_dir), code_hash(),
+                   command)
 
     def same_as(self, other: Crash | None) -> bool:
         return other is not None and asdict(self) == asdict(other)
@@ -79,6 +85,16 @@ def code_hash() -> str:
     return digest.hexdigest()[:16]
 
 
+def launcher_identity() -> str:
+    """This process's parent (torchrun's agent) as host-pid-start time: unique while the machine is up."""
+    parent = os.getppid()
+    try:
+        started = Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        started = "0"
+    return f"{socket.gethostname()}-{parent}-{started}"
+
+
 class CrashRecord:
     """The job's last crash, and whether it was found to be a bug, in <ckpt-dir>/.crashes/<run id>.json."""
 
@@ -88,19 +104,21 @@ class CrashRecord:
         folder = self.ckpt_dir / ".crashes"
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", env.run_id)
         self.path = folder / f"{name}.json"
-        self.claim = folder / f"{name}.attempt-{env.restart_count}.reported"
+        self.launcher = launcher_identity()
+        self.claim = folder / f"{name}.{self.launcher}.attempt-{env.restart_count}.reported"
 
-    def read(self) -> tuple[Crash | None, bool]:
+    def read(self) -> tuple[Crash | None, bool, str]:
+        """(the last crash, whether it was found to be a bug, the torchrun process it happened under)."""
         try:
             saved = json.loads(self.path.read_text())
-            return Crash(**saved["crash"]), bool(saved["bug"])
+            return Crash(**saved["crash"]), bool(saved["bug"]), str(saved["launcher"])
         except (OSError, ValueError, KeyError, TypeError):
-            return None, False
+            return None, False, ""
 
     def write(self, crash: Crash, bug: bool) -> None:
         self.path.parent.mkdir(exist_ok=True)
         partial = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-        partial.write_text(json.dumps({"crash": asdict(crash), "bug": bug}))
+        partial.write_text(json.dumps({"crash": asdict(crash), "bug": bug, "launcher": self.launcher}))
         os.replace(partial, self.path)
 
     def first_to_report(self) -> bool:
@@ -113,13 +131,15 @@ class CrashRecord:
             return False
 
     def known_bug(self) -> bool:
-        """Whether an earlier attempt of this job found a bug that this attempt would meet again: nothing has
-        changed since (the same newest checkpoint, the same code)."""
+        """Whether an earlier attempt under this same torchrun process found a bug that this attempt would
+        meet again: nothing has changed since (the same newest checkpoint, code and command). A new launch (a
+        Slurm requeue, a restarted pod, the user's next command) always trains, and meets a bug a second time
+        in one line."""
         if not self.env.launched_by_torchrun:
             return False
-        crash, bug = self.read()
-        return bug and crash is not None and crash.newest_checkpoint == newest_checkpoint_name(self.ckpt_dir) \
-            and crash.code == code_hash()
+        crash, bug, launcher = self.read()
+        return bug and crash is not None and launcher == self.launcher \
+            and crash.newest_checkpoint == newest_checkpoint_name(self.ckpt_dir) and crash.code == code_hash()
 
 
 def end_attempt_after(error: Exception, record: CrashRecord | None, env: DistEnv) -> None:
@@ -133,7 +153,7 @@ def end_attempt_after(error: Exception, record: CrashRecord | None, env: DistEnv
     if record is None or not env.launched_by_torchrun:
         return
     crash = Crash.of(error, record.ckpt_dir)
-    previous, _ = record.read()
+    previous, _, _ = record.read()
     repeated = crash.same_as(previous)
     first = record.first_to_report()
     record.write(crash, bug=repeated)

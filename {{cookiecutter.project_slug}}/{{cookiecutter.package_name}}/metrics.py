@@ -71,7 +71,7 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, amp: MixedPre
     most = all_reduce_int(batches, device, "max")
     if all_reduce_int(batches, device, "min") == 0 < most:
         raise UsageError("the held-out split has fewer samples than there are ranks; use more data")
-    totals, rows, batch = None, [], None
+    totals, rows, batch, problem = None, [], None, None
     for index, batch in enumerate(loader):
         if index == batches:
             break
@@ -82,6 +82,9 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, amp: MixedPre
                 outputs = task.evaluation_outputs(model, batch)
                 rows.append({name: value.detach().cpu() for name, value in outputs.items()})
         values = {name: torch.as_tensor(value, device=device).double() for name, value in sums.items()}
+        if totals is not None and shapes_of(values) != shapes_of(totals):  # reported below, on every rank
+            problem = problem or f"task.evaluation_sums returned {shapes_of(values)} after {shapes_of(totals)}"
+            continue
         totals = values if totals is None else {name: totals[name] + value for name, value in values.items()}
     for _ in range(most - batches):  # the same forwards and collectives as a counted batch, counted nowhere
         with amp.autocast():
@@ -89,7 +92,7 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, amp: MixedPre
             if task.evaluation_outputs is not None:
                 task.evaluation_outputs(model, batch)
     model.train(was_training)
-    sums = sum_across_ranks(totals, device, task.throughput_unit)
+    sums = sum_across_ranks(totals, device, task.throughput_unit, problem)
     outputs = {}
     if task.evaluation_outputs is not None:
         gathered = [row for rank_rows in all_gather_objects(rows) for row in rank_rows]  # rank by rank
@@ -99,12 +102,24 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, amp: MixedPre
     return task.summarize(sums, outputs)
 
 
-def sum_across_ranks(totals: dict[str, torch.Tensor] | None, device: torch.device, unit: str) -> dict:
+def shapes_of(values: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(value.shape) for name, value in values.items()}
+
+
+def sum_across_ranks(totals: dict[str, torch.Tensor] | None, device: torch.device, unit: str,
+                     problem: str | None = None) -> dict:
     """Each named total summed over ranks, in one all-reduce (a collective); a one-element total comes back as
     a float, others as CPU tensors. Every rank joins, also one without held-out batches (totals None), so all
-    take the names and shapes of the lowest rank that has them."""
-    shapes = from_first_rank_with(None if totals is None else {name: tuple(value.shape)
-                                                               for name, value in totals.items()}, device)
+    take the names and shapes of the lowest rank that has them. Sums whose names or shapes differ between
+    batches or ranks (a bincount without minlength) stop every rank with one line: added up, they would
+    broadcast into wrong numbers, or leave ranks in all-reduces of different lengths."""
+    shapes = from_first_rank_with(None if totals is None else shapes_of(totals), device)
+    if problem is None and totals is not None and shapes_of(totals) != shapes:
+        problem = f"task.evaluation_sums returned {shapes_of(totals)} on one rank and {shapes} on another"
+    problem = from_first_rank_with(problem, device)  # a collective: every rank stops, or none
+    if problem:
+        raise UsageError(f"{problem}; every sum must have the same names and shapes on every batch and rank "
+                         "(e.g. torch.bincount(..., minlength=classes))")
     shapes = shapes or {unit: ()}
     if totals is None:
         totals = {name: torch.zeros(shape, device=device, dtype=torch.float64) for name, shape in shapes.items()}

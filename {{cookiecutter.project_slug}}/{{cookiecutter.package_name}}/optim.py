@@ -151,7 +151,22 @@ def build_lr_schedule(optimizer: torch.optim.Optimizer, options: TrainOptions, s
     total_steps = options.epochs * steps_per_epoch
     warmup_steps = options.warmup_steps if options.warmup_steps is not None else total_steps // 20
     # A lambda, which LambdaLR leaves out of its state_dict: nothing but the step count is restored.
-    return LambdaLR(optimizer, lambda step: warmup_then_decay(step, warmup_steps, total_steps, options.lr_schedule))
+    return ResumableLambdaLR(
+        optimizer, lambda step: warmup_then_decay(step, warmup_steps, total_steps, options.lr_schedule))
+
+
+class ResumableLambdaLR(LambdaLR):
+    """LambdaLR whose checkpoint restores where the schedule stands (its step count), not the peak lr it
+    scales: that stays what the optimizer was built with in this run. LambdaLR's own load_state_dict brings
+    back the saved base_lrs, so a resume with another --lr would go on with the old one, without a word."""
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        peaks = list(self.base_lrs)
+        super().load_state_dict(state_dict)
+        self.base_lrs = peaks
+        for group, peak, lr in zip(self.optimizer.param_groups, peaks, self.get_lr(), strict=True):
+            group["initial_lr"], group["lr"] = peak, lr
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
 
 class ExponentialMovingAverage:

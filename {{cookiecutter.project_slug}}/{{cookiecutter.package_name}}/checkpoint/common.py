@@ -168,8 +168,9 @@ class Checkpointer:
         restored = self.check_saved_entries(source, entries, progress_fields)
         try:
             state = self.read(source, restored)
-            for name in restored - self.restored_by_read:
-                self.components[name].load_state_dict(state[name])
+            for name in self.components:  # in the order given, the same on every rank (a load may be a collective)
+                if name in restored and name not in self.restored_by_read:
+                    self.components[name].load_state_dict(state[name])
         except (RuntimeError, ValueError, KeyError) as error:
             raise checkpoint_mismatch(source, error) from None
         restore_rng_states(state, self.env, self.device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import tempfile
 from dataclasses import asdict, fields
@@ -10,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from ..distributed import all_reduce_int, broadcast_object
-from ..options import every_option
+from ..distributed import all_reduce_int, broadcast_object, from_first_rank_with
+from ..options import UsageError, every_option
 from ..reproducibility import gather_rng_states
 from .common import Checkpointer, TrainingProgress, elect_writers, fsync_directory, log
 
@@ -22,11 +23,13 @@ def checkpoint_path(ckpt_dir: Path, step: int) -> Path:
     return ckpt_dir / f"step-{step}.pt"
 
 
-def save_checkpoint_atomically(state: dict, path: Path) -> None:
+def save_checkpoint_atomically(state: dict, path: Path) -> str | None:
     """Write to a temporary file in the same folder, fsync, then rename over the final name.
 
     A crash at any point leaves either the previous checkpoint set or the new file complete, never a
-    truncated step-N.pt. The temporary name does not match step-<N>.pt, so it is never loaded.
+    truncated step-N.pt. The temporary name does not match step-<N>.pt, so it is never loaded. Returns why
+    the file was not published, if it holds objects that torch.load(weights_only=True) would refuse: a
+    checkpoint that cannot be resumed is no checkpoint.
     """
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -34,11 +37,17 @@ def save_checkpoint_atomically(state: dict, path: Path) -> None:
             torch.save(state, file)
             file.flush()
             os.fsync(file.fileno())
+        if unsafe := torch.serialization.get_unsafe_globals_in_checkpoint(temporary):
+            Path(temporary).unlink()
+            return (f"a checkpoint state_dict() holds {', '.join(unsafe)}, which torch.load(weights_only=True) "
+                    "refuses; make each component's state_dict() hold tensors and plain Python values (e.g. "
+                    "float(x) for a numpy scalar)")
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
     fsync_directory(path.parent)
+    return None
 
 
 def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
@@ -56,22 +65,38 @@ FORMAT_KEYS = {"step", "epoch", "samples_in_epoch", "torch_rng_state"}
 NOT_COMPONENTS = FORMAT_KEYS | {"world_size", "cpu_rng_states", "cuda_rng_states", "options", "entries"}
 
 
-def load_newest_valid(ckpt_dir: Path) -> tuple[Path, dict] | None:
-    """The newest checkpoint that loads. One that does not (truncated, corrupt) is renamed to
-    <name>.unreadable, out of the way of resuming and retention but kept, with a warning naming it."""
+def load_newest_valid(ckpt_dir: Path) -> tuple[tuple[Path, dict] | None, str | None]:
+    """(the newest checkpoint that loads, why the job must stop instead). A corrupt one (truncated, not a
+    checkpoint, another step inside) is renamed to <name>.unreadable, out of the way of resuming and retention
+    but kept, with a warning naming it, and the one before it is tried. One that cannot be read now (an I/O
+    error) or that is readable but refused by weights_only loading stops the job: it is not corrupt, and
+    falling back would throw its steps away."""
     for step, path in list_checkpoints(ckpt_dir):
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
-            missing = FORMAT_KEYS - set(state)
+            missing = FORMAT_KEYS - set(state) if isinstance(state, dict) else FORMAT_KEYS
             if missing or state["step"] != step:
                 raise ValueError(f"missing {sorted(missing)}" if missing else f"holds step {state['step']}")
-            return path, state
-        except Exception as error:  # noqa: BLE001 - any unreadable file is skipped, loudly
+            return (path, state), None
+        except OSError as error:
+            return None, f"{path} cannot be read ({error.strerror or error}); fix the storage and run again"
+        except Exception as error:  # noqa: BLE001 - anything else is corrupt, or refused though readable
+            if isinstance(error, pickle.UnpicklingError) and (unsafe := unsafe_globals(path)):
+                return None, (f"{path} holds {', '.join(unsafe)}, which torch.load(weights_only=True) refuses; "
+                              "resume with the code that wrote it, or load and re-save it without them")
             kept = path.with_name(f"{path.name}.unreadable")
             os.replace(path, kept)
             log.warning("skipping unreadable checkpoint %s (%s: %s); kept as %s", path, type(error).__name__,
                         str(error).strip().splitlines()[0] if str(error).strip() else "", kept.name)
-    return None
+    return None, None
+
+
+def unsafe_globals(path: Path) -> list[str]:
+    """What makes a readable checkpoint fail weights_only loading; [] for a file that is no checkpoint."""
+    try:
+        return torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:  # noqa: BLE001 - not a torch.save file at all
+        return []
 
 
 def delete_old_checkpoints(ckpt_dir: Path, keep: int, just_written: Path) -> None:
@@ -116,17 +141,24 @@ class ReplicatedCheckpointer(Checkpointer):
 
     def write(self, progress: TrainingProgress) -> Path | None:
         rng_states = gather_rng_states(self.env, self.device)  # each rank's own, a collective
+        path, problem = checkpoint_path(self.ckpt_dir, progress.step), None
+        if self.is_writer:
+            state = training_state(self.components, progress, self.env.world_size)
+            problem = save_checkpoint_atomically({**state, **rng_states, "options": every_option(self.options)},
+                                                 path)
+        problem = from_first_rank_with(problem, self.device)  # a collective: every rank stops, or none
+        if problem:
+            raise UsageError(problem)
         if not self.is_writer:
             return None
-        path = checkpoint_path(self.ckpt_dir, progress.step)
-        state = training_state(self.components, progress, self.env.world_size)
-        save_checkpoint_atomically({**state, **rng_states,
-                                    "options": every_option(self.options)}, path)
         delete_old_checkpoints(self.ckpt_dir, self.keep, just_written=path)
         return path
 
     def find_newest(self) -> tuple[Path, dict | None] | None:
-        newest = load_newest_valid(self.ckpt_dir) if self.is_writer else None
+        newest, problem = load_newest_valid(self.ckpt_dir) if self.is_writer else (None, None)
+        problem = from_first_rank_with(problem, self.device)  # a collective: every rank stops, or none
+        if problem:
+            raise UsageError(problem)
         own_step = newest[1]["step"] if newest else -1
         best_step = all_reduce_int(own_step, self.device, "max")
         if best_step < 0:

@@ -144,8 +144,8 @@ class ShardedCheckpointer(Checkpointer):
                              if name in progress_fields | {"world_size"}}
         dcp.load(state, checkpoint_id=source)  # into this rank's shards, from whichever ranks saved them
         model = self.components["model"]
-        for name in self.restored_by_read & components:
-            if name == "model":
+        for name in [name for name in self.components if name in self.restored_by_read & components]:  # collectives:
+            if name == "model":  # the same order on every rank
                 set_model_state_dict(model, state[name])
             else:
                 set_optimizer_state_dict(model, member_optimizers(self.components[name]), state[name])
