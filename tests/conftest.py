@@ -178,6 +178,15 @@ def assert_project_tests_pass(project: Path) -> None:
     assert re.search(r"\b3 passed\b", result.stdout), result.stdout
 
 
+def with_task_code(project: Path, folder: Path, code: str) -> Path:
+    """A copy of a baked project in `folder`, with `code` appended to its task.py (a user's edit: a model, a
+    hook that replaces the task's own)."""
+    copy = shutil.copytree(project, folder / "project")
+    [task] = copy.glob("*/task.py")
+    task.write_text(task.read_text() + code)
+    return copy
+
+
 def build_wheel(project: Path, wheel_dir: Path) -> Path:
     """Build the generated project's wheel, as `pip install .` would; returns its path."""
     result = run(["python", "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(wheel_dir), "."],

@@ -74,6 +74,7 @@ def edited_project(bake) -> Path:
     return project
 
 
+@pytest.mark.starts_first  # two launches with a kill, FSDP2's the slowest
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_loop_edits_resume_bitwise_after_kill_9(edited_project, strategy, tmp_path):
     def command(ckpt_dir: Path) -> list[str]:

@@ -4,12 +4,11 @@ and before every save)."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
-from conftest import checkpoint, run
+from conftest import checkpoint, run, with_task_code
 
 pytestmark = pytest.mark.slow  # torchrun jobs: `make test-fast` leaves these out
 
@@ -73,20 +72,13 @@ def nudged_cnn(options, train_set):
 '''
 
 
-def project_with(default_project: Path, tmp_path: Path, addition: str) -> Path:
-    project = shutil.copytree(default_project, tmp_path / "project")
-    task = project / "ddp_training" / "task.py"
-    task.write_text(task.read_text() + addition)
-    return project
-
-
 def torchrun(project: Path, ckpt_dir: Path, *args: str):
     return run(["torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=0", "train.py", *TINY,
                 "--ckpt-dir", str(ckpt_dir), *args], cwd=project)
 
 
 def test_a_model_returning_a_dataclass_trains_one_model_on_every_rank(default_project, tmp_path):
-    project = project_with(default_project, tmp_path, DATACLASS_OUTPUT)
+    project = with_task_code(default_project, tmp_path, DATACLASS_OUTPUT)
     result = torchrun(project, tmp_path / "ckpt", "--model", "dataclass_cnn")
     assert result.returncode == 0, result.stderr[-4000:]
     assert "step 1: every rank holds the same parameters" in result.stderr, result.stderr[-4000:]
@@ -100,7 +92,7 @@ def test_a_model_returning_a_dataclass_trains_one_model_on_every_rank(default_pr
 
 
 def test_ranks_that_hold_different_models_stop_the_job_with_one_line(default_project, tmp_path):
-    project = project_with(default_project, tmp_path, RANK_DEPENDENT)
+    project = with_task_code(default_project, tmp_path, RANK_DEPENDENT)
     result = torchrun(project, tmp_path / "ckpt", "--model", "nudged_cnn")
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import BARE, assert_bitwise_equal, checkpoint, run
+from conftest import BARE, assert_bitwise_equal, checkpoint, run, with_task_code
 
 pytestmark = pytest.mark.slow  # torchrun jobs: `make test-fast` leaves these out
 
@@ -42,13 +42,6 @@ def per_rank_draws(options, train_set):
 '''
 
 
-def project_with(default_project: Path, tmp_path: Path, addition: str) -> Path:
-    project = shutil.copytree(default_project, tmp_path / "project")
-    task = project / "ddp_training" / "task.py"
-    task.write_text(task.read_text() + addition)
-    return project
-
-
 def torchrun(project: Path, ckpt_dir: Path, *args: str):
     result = run(["torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=0", "train.py", *RUN,
                   "--ckpt-dir", str(ckpt_dir), *args], cwd=project)
@@ -57,7 +50,7 @@ def torchrun(project: Path, ckpt_dir: Path, *args: str):
 
 
 def test_each_rank_resumes_its_own_cpu_random_state(default_project, tmp_path):
-    project = project_with(default_project, tmp_path, PER_RANK_DRAWS)
+    project = with_task_code(default_project, tmp_path, PER_RANK_DRAWS)
     torchrun(project, tmp_path / "uninterrupted", "--model", "per_rank_draws", "--max-steps", "8")
     torchrun(project, tmp_path / "resumed", "--model", "per_rank_draws", "--max-steps", "4")
     torchrun(project, tmp_path / "resumed", "--model", "per_rank_draws", "--max-steps", "8")
@@ -140,22 +133,26 @@ def test_new_state_starts_fresh_on_request_and_retention_keeps_what_was_just_wri
     assert int(checkpoint(ckpt_dir, 10)["step_counter"]["count"]) == 6
 
 
-def test_a_field_added_to_training_progress_is_restored(default_project, tmp_path):
-    project = shutil.copytree(default_project, tmp_path / "project")
-    edited(project, "ddp_training/checkpoint/common.py", "    samples_in_epoch: int = 0",
-           "    samples_in_epoch: int = 0\n    loss_weight: float = 1.0  # annealed with the step")
-    edited(project, "train.py", "            progress.advance(", "            progress.loss_weight *= 0.5\n"
-                                                                  "            progress.advance(")
-    torchrun(project, tmp_path / "ckpt", "--max-steps", "4")
-    torchrun(project, tmp_path / "ckpt", "--max-steps", "8")
-    assert checkpoint(tmp_path / "ckpt", 8)["loss_weight"] == 0.5 ** 8
-
-
-def test_a_resume_with_another_lr_schedules_the_new_one(default_project, tmp_path):
-    torchrun(default_project, tmp_path / "reference", "--max-steps", "8", "--lr", "0.01")
-    torchrun(default_project, tmp_path / "changed", "--max-steps", "4", "--lr", "0.01")
-    result = torchrun(default_project, tmp_path / "changed", "--max-steps", "8", "--lr", "0.02")
+def test_a_resume_with_another_lr_schedules_the_new_one(default_project, uninterrupted_bare, tmp_path):
+    # The session's reference run (--lr 0.01) at step 4, resumed with --lr 0.02: the same schedule, twice as high.
+    shutil.copy(uninterrupted_bare / "step-4.pt", tmp_path)
+    result = torchrun(default_project, tmp_path, "--max-steps", "8", "--lr", "0.02")
     assert "--lr 0.01 -> 0.02" in result.stderr
-    reference = checkpoint(tmp_path / "reference", 8)["optimizer"]["param_groups"][0]["lr"]
-    changed = checkpoint(tmp_path / "changed", 8)["optimizer"]["param_groups"][0]["lr"]
+    reference = checkpoint(uninterrupted_bare, 8)["optimizer"]["param_groups"][0]["lr"]
+    changed = checkpoint(tmp_path, 8)["optimizer"]["param_groups"][0]["lr"]
     assert changed == pytest.approx(2 * reference, rel=1e-12), (changed, reference)
+
+
+def test_state_that_weights_only_loading_refuses_is_not_saved_and_stops_the_job(default_project, tmp_path):
+    project = shutil.copytree(default_project, tmp_path / "project")
+    # A component whose state holds a numpy scalar: torch.save writes it, torch.load(weights_only=True) refuses it.
+    edited(project, "train.py", "model=model, optimizer=optimizer,", "model=model, optimizer=optimizer, "
+           "best=type('Best', (), {'state_dict': lambda self: {'loss': __import__('numpy').float64(1.0)}, "
+           "'load_state_dict': lambda self, state: None})(),")
+    result = torchrun_may_fail(project, tmp_path / "ckpt", "--max-steps", "4")
+    assert result.returncode != 0
+    assert error_lines(result) == [
+        "error: a checkpoint state_dict() holds numpy.dtype, numpy._core.multiarray.scalar, which "
+        "torch.load(weights_only=True) refuses; make each component's state_dict() hold tensors and plain Python "
+        "values (e.g. float(x) for a numpy scalar)"], result.stderr[-3000:]
+    assert not list((tmp_path / "ckpt").glob("*step-*")), "nothing published, no temporary left"

@@ -24,6 +24,7 @@ from conftest import (
     run,
     tool_env,
     wait_for,
+    with_task_code,
 )
 
 
@@ -126,9 +127,7 @@ def summarize(sums, outputs):
 
 @pytest.mark.slow
 def test_evaluation_sums_any_shape_and_a_collective_in_it_does_not_hang(default_project, tmp_path):
-    project = shutil.copytree(default_project, tmp_path / "project")
-    task = project / "ddp_training" / "task.py"
-    task.write_text(task.read_text() + CONFUSION_AND_COLLECTIVE)
+    project = with_task_code(default_project, tmp_path, CONFUSION_AND_COLLECTIVE)
     result = run(["torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=0", "train.py", "--model",
                   "small_cnn", "--fake-samples", "516", "--image-size", "16", "--batch-size", "8", "--num-workers",
                   "0", "--device", "cpu", "--max-steps", "4", "--io-timeout", "60", "--ckpt-dir", str(tmp_path / "c")],
@@ -173,6 +172,7 @@ def apply_readme_example(project: Path, tmp_path: Path, section: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.starts_first  # with the project's own tests: one of the longest
 def test_readme_dict_batch_example_trains_resumes_and_counts_words(bake, tmp_path):
     project = bake(project_name="Word Tags")
     apply_readme_example(project, tmp_path, "### Dict batches of many lengths")
@@ -202,6 +202,7 @@ def summarize(sums, outputs):
 
 
 @pytest.mark.slow
+@pytest.mark.starts_first  # with the project's own tests: one of the longest
 def test_readme_whole_set_metric_example_gathers_every_row_once(bake, tmp_path):
     project = bake(project_name="Auc Check")
     apply_readme_example(project, tmp_path, "### A metric over the whole held-out set")
@@ -233,9 +234,7 @@ def collate(samples):
 
 @pytest.mark.slow
 def test_a_bug_in_task_code_is_reported_once_per_job_and_not_retrained(default_project, tmp_path):
-    project = shutil.copytree(default_project, tmp_path / "project")
-    task = project / "ddp_training" / "task.py"
-    task.write_text(task.read_text() + COLLATE_BUG)
+    project = with_task_code(default_project, tmp_path, COLLATE_BUG)
     stop_requeue = tmp_path / "slurm-1.bug"
     result = run(["torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=3", "train.py", "--model",
                   "small_cnn", "--image-size", "16", "--batch-size", "8", "--num-workers", "1", "--max-steps", "100",
@@ -256,11 +255,10 @@ def test_a_bug_in_task_code_is_reported_once_per_job_and_not_retrained(default_p
 @pytest.mark.slow
 def test_a_transient_exception_is_retried(default_project, tmp_path):
     # Raised once (the first attempt only): the retry trains to the end and exits 0.
-    project = shutil.copytree(default_project, tmp_path / "project")
-    task = project / "ddp_training" / "task.py"
-    task.write_text(task.read_text() + COLLATE_BUG.replace(
-        "int(labels.sum()) % 7 == 3", f"int(labels.sum()) % 7 == 3 and not Path({str(tmp_path / 'once')!r}).exists()"
-        f" and Path({str(tmp_path / 'once')!r}).touch() is None"))
+    once = tmp_path / "raised"
+    project = with_task_code(default_project, tmp_path, COLLATE_BUG.replace(
+        "int(labels.sum()) % 7 == 3", f"int(labels.sum()) % 7 == 3 and not Path({str(once)!r}).exists()"
+        f" and Path({str(once)!r}).touch() is None"))
     result = run(["torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=3", "train.py", "--model",
                   "small_cnn", "--image-size", "16", "--batch-size", "8", "--num-workers", "0", "--max-steps", "40",
                   "--device", "cpu", "--ckpt-dir", str(tmp_path / "ckpt")], cwd=project)

@@ -141,16 +141,13 @@ class ReplicatedCheckpointer(Checkpointer):
 
     def write(self, progress: TrainingProgress) -> Path | None:
         rng_states = gather_rng_states(self.env, self.device)  # each rank's own, a collective
-        path, problem = checkpoint_path(self.ckpt_dir, progress.step), None
-        if self.is_writer:
-            state = training_state(self.components, progress, self.env.world_size)
-            problem = save_checkpoint_atomically({**state, **rng_states, "options": every_option(self.options)},
-                                                 path)
-        problem = from_first_rank_with(problem, self.device)  # a collective: every rank stops, or none
-        if problem:
-            raise UsageError(problem)
         if not self.is_writer:
             return None
+        path = checkpoint_path(self.ckpt_dir, progress.step)
+        state = training_state(self.components, progress, self.env.world_size)
+        problem = save_checkpoint_atomically({**state, **rng_states, "options": every_option(self.options)}, path)
+        if problem:  # found alike by every writer, rank 0 among them, which reports it for the job
+            raise UsageError(problem)
         delete_old_checkpoints(self.ckpt_dir, self.keep, just_written=path)
         return path
 
