@@ -152,7 +152,7 @@ def test_state_that_weights_only_loading_refuses_is_not_saved_and_stops_the_job(
     result = torchrun_may_fail(project, tmp_path / "ckpt", "--max-steps", "4")
     assert result.returncode != 0
     assert error_lines(result) == [
-        "error: a checkpoint state_dict() holds numpy.dtype, numpy._core.multiarray.scalar, which "
+        "error: a checkpoint state_dict() holds numpy._core.multiarray.scalar, numpy.dtype, which "
         "torch.load(weights_only=True) refuses; make each component's state_dict() hold tensors and plain Python "
         "values (e.g. float(x) for a numpy scalar)"], result.stderr[-3000:]
     assert not list((tmp_path / "ckpt").glob("*step-*")), "nothing published, no temporary left"

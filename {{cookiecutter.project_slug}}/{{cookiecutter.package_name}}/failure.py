@@ -22,6 +22,7 @@ import os
 import re
 import socket
 import sys
+import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from .distributed import DistEnv
+from .watchdog import REPORTING_A_HANG
 
 # What gloo and NCCL raise on a rank whose peer died: the group is gone, and torchrun restarts it.
 LOST_PEER = re.compile(r"Connection (reset|closed) by peer|Broken pipe|NCCL communicator was aborted|"
@@ -147,6 +149,8 @@ def end_attempt_after(error: Exception, record: CrashRecord | None, env: DistEnv
     exits with status 1 after at most one line."""
     prefix = f"[rank {env.rank}] " if env.world_size > 1 else ""
     if is_lost_peer(error):
+        if REPORTING_A_HANG.is_set():  # this rank's watchdog names the rank that stopped, then ends the process
+            time.sleep(60)
         sys.stderr.write(f"{prefix}lost another rank ({first_sentence(error)}); "
                          "torchrun restarts the group from the newest checkpoint\n")
         sys.exit(1)

@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 
 # Exit status of a rank that stopped making progress: non-zero, so torchrun restarts the group.
 EXIT_CODE_AFTER_HANG = 124
+# Set while this rank's watchdog reports a hang, which ends with os._exit: a main thread whose collective
+# fails meanwhile (the stopped rank has left) waits for the report instead of exiting first (failure.py).
+REPORTING_A_HANG = threading.Event()
 # The main thread's innermost frame in one of these means it waits for other ranks: in a collective, or in a
 # backward pass whose gradient all-reduce waits for them.
 WAITING_IN = ("torch/distributed/", "torch/autograd/", "torch/_tensor.py")
@@ -118,6 +121,7 @@ class Watchdog:
         return any(part in entry.filename for entry in innermost for part in WAITING_IN)
 
     def _end_after_hang(self, what: str, step: int, stalled: float) -> None:
+        REPORTING_A_HANG.set()
         waiting = self._waiting_for_others()
         report = {"rank": self.env.rank, "step": step, "phase": what, "stalled_s": round(stalled),
                   "waiting_for_others": waiting}

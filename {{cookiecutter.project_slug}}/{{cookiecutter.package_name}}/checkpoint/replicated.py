@@ -39,7 +39,7 @@ def save_checkpoint_atomically(state: dict, path: Path) -> str | None:
             os.fsync(file.fileno())
         if unsafe := torch.serialization.get_unsafe_globals_in_checkpoint(temporary):
             Path(temporary).unlink()
-            return (f"a checkpoint state_dict() holds {', '.join(unsafe)}, which torch.load(weights_only=True) "
+            return (f"a checkpoint state_dict() holds {', '.join(sorted(unsafe))}, which torch.load(weights_only=True) "
                     "refuses; make each component's state_dict() hold tensors and plain Python values (e.g. "
                     "float(x) for a numpy scalar)")
         os.replace(temporary, path)
@@ -82,7 +82,7 @@ def load_newest_valid(ckpt_dir: Path) -> tuple[tuple[Path, dict] | None, str | N
             return None, f"{path} cannot be read ({error.strerror or error}); fix the storage and run again"
         except Exception as error:  # noqa: BLE001 - anything else is corrupt, or refused though readable
             if isinstance(error, pickle.UnpicklingError) and (unsafe := unsafe_globals(path)):
-                return None, (f"{path} holds {', '.join(unsafe)}, which torch.load(weights_only=True) refuses; "
+                return None, (f"{path} holds {', '.join(sorted(unsafe))}, which torch.load(weights_only=True) refuses; "
                               "resume with the code that wrote it, or load and re-save it without them")
             kept = path.with_name(f"{path.name}.unreadable")
             os.replace(path, kept)
