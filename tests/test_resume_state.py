@@ -77,9 +77,16 @@ def error_lines(result) -> list[str]:
     return [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error: ")]
 
 
-def test_a_checkpoint_that_loads_but_does_not_match_the_code_stops_the_job(default_project, tmp_path):
-    ckpt_dir = tmp_path / "ckpt"
-    torchrun(default_project, ckpt_dir, "--max-steps", "4")
+def starting_at_step_4(uninterrupted_bare: Path, ckpt_dir: Path) -> Path:
+    """A checkpoint folder holding the session reference's step 4, as this code wrote it."""
+    ckpt_dir.mkdir()
+    shutil.copy(uninterrupted_bare / "step-4.pt", ckpt_dir)
+    return ckpt_dir
+
+
+def test_a_checkpoint_that_loads_but_does_not_match_the_code_stops_the_job(default_project, uninterrupted_bare,
+                                                                            tmp_path):
+    ckpt_dir = starting_at_step_4(uninterrupted_bare, tmp_path / "ckpt")
     project = shutil.copytree(default_project, tmp_path / "project")
     # A loop edit: the optimizer registered under another name, as a user with two of them would.
     edited(project, "train.py", "model=model, optimizer=optimizer,", "model=model, backbone_optimizer=optimizer,")
@@ -100,9 +107,9 @@ STEP_COUNTER = ("    progress = checkpointer.resume()\n",
                 "    assert int(step_counter.count) == (0 if resumed_fresh else progress.step)\n")
 
 
-def test_new_state_starts_fresh_on_request_and_retention_keeps_what_was_just_written(default_project, tmp_path):
-    ckpt_dir = tmp_path / "ckpt"
-    torchrun(default_project, ckpt_dir, "--max-steps", "4")
+def test_new_state_starts_fresh_on_request_and_retention_keeps_what_was_just_written(default_project,
+                                                                                  uninterrupted_bare, tmp_path):
+    ckpt_dir = starting_at_step_4(uninterrupted_bare, tmp_path / "ckpt")
     (ckpt_dir / "step-12.pt").write_bytes(b"truncated by a crash")  # a corrupt file with a higher step number
     project = shutil.copytree(default_project, tmp_path / "project")
     edited(project, "train.py", "model=model, optimizer=optimizer,",
