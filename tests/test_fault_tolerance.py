@@ -354,3 +354,34 @@ def test_resume_lists_changed_options_and_refuses_a_changed_model(default_projec
     other_strategy = run([*plain, "--max-steps", "4", "--strategy", "fsdp2"], cwd=default_project)
     assert other_strategy.returncode == 1
     assert f"error: --ckpt-dir {tmp_path} holds --strategy ddp checkpoints" in other_strategy.stderr
+
+
+SIGTERM_AT_THE_END_OF_EPOCH_0 = """
+import os
+if os.environ.get("RANK") == "0":  # a worker, not torchrun
+    import signal
+    import time
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    steps = 0
+
+    def preempted_at_step_32(optimizer, args, kwargs):  # BARE: 32 steps an epoch
+        global steps
+        steps += 1
+        if steps == 32:
+            os.kill(os.getppid(), signal.SIGTERM)  # torchrun forwards it to every worker
+            time.sleep(1)
+
+    register_optimizer_step_post_hook(preempted_at_step_32)
+"""
+
+
+def test_sigterm_at_an_epochs_last_step_stops_before_its_evaluation(default_project, uninterrupted_bare, tmp_path):
+    # Agreed one step late, the stop would come after the epoch's evaluation, which can outlast the grace period.
+    launcher = bare_torchrun(default_project, tmp_path, "--eval-every", "1",
+                             **with_fault(tmp_path, SIGTERM_AT_THE_END_OF_EPOCH_0))
+    output = launcher.communicate(timeout=300)[0]
+    assert launcher.returncode != 0
+    assert "stopped by SIGTERM after step 32" in output, output
+    assert "eval loss" not in output.split("step 1:", 1)[1], output  # no evaluation after the one-batch check
+    assert_bitwise_equal(checkpoint(tmp_path, 32), checkpoint(uninterrupted_bare, 32))

@@ -120,7 +120,8 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
                 break
         else:  # the epoch ran to its end
             progress.next_epoch()
-            if options.eval_every and progress.epoch % options.eval_every == 0:
+            stop_requested = stop.agreed_now(watchdog.sigterm_received)  # not after a long evaluation
+            if not stop_requested and options.eval_every and progress.epoch % options.eval_every == 0:
                 with watchdog.slow_phase("evaluating"):
                     meter.log_evaluation(progress.step, progress.epoch, evaluate(model, eval_loader, device, amp, task))
 

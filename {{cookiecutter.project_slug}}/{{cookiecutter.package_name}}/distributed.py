@@ -329,6 +329,16 @@ class StopAgreement:
         self.pending = (flag, work)
         return stop
 
+    def agreed_now(self, received: bool) -> bool:
+        """The same, up to this moment (a blocking all-reduce): before a long phase, such as an epoch's
+        evaluation, which a stop agreed one step later would only come after, maybe past the grace period."""
+        stop = self.agreed(received)
+        flag, work = self.pending
+        if work is not None:
+            work.wait()
+        self.pending = None
+        return stop or bool(flag.item())
+
 
 def run_once_per_node(env: DistEnv, device: torch.device, action: Callable[[], None], what: str) -> None:
     """Run `action` on local rank 0 of every node while the node's other ranks wait (e.g. a download).
