@@ -172,7 +172,10 @@ class Watchdog:
         store = self._store_address.connect(timedelta(seconds=5))
         prefix = "ddp-template/hang-report/"
         store.set(f"{prefix}{self.env.rank}", json.dumps(report))
-        time.sleep(3)  # the other live ranks time out at about the same moment
+        # The other live ranks time out within one step of this one: a rank that finished one more step than
+        # the stopped rank (which hung after its last collective) beat a step later. A fixed window shorter
+        # than a step would count that healthy rank silent, name it, and SIGKILL it.
+        time.sleep(3 + self._longest_step)
         reports = {rank: json.loads(store.get(f"{prefix}{rank}")) for rank in range(self.env.world_size)
                    if store.check([f"{prefix}{rank}"])}
         silent = [rank for rank in range(self.env.world_size) if rank not in reports]
