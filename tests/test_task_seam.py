@@ -140,12 +140,13 @@ def test_evaluation_sums_any_shape_and_a_collective_in_it_does_not_hang(default_
 
 
 def trains_resumes_bitwise_after_kill_9_and_passes_its_tests(project: Path, tmp_path: Path, args: list[str]) -> None:
-    """2 ranks to the end, and again with a worker killed (kill -9) after the first checkpoint: torchrun restarts
-    the group, and the last checkpoints agree bit for bit. Then the project's own smoke tests."""
+    """2 ranks to the end (metrics in tmp_path/logs), and again with a worker killed (kill -9) after the first
+    checkpoint: torchrun restarts the group, and the last checkpoints agree bit for bit. Then the project's own
+    smoke tests."""
     def command(ckpt_dir: Path) -> list[str]:
         return ["torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=1", "train.py", *args,
                 "--ckpt-every", "4", "--keep-checkpoints", "100", "--ckpt-dir", str(ckpt_dir)]
-    uninterrupted = run(command(tmp_path / "uninterrupted"), cwd=project)
+    uninterrupted = run([*command(tmp_path / "uninterrupted"), "--log-dir", str(tmp_path / "logs")], cwd=project)
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-4000:]
     killed = subprocess.Popen(command(tmp_path / "killed"), cwd=project, env=tool_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -177,13 +178,10 @@ def test_readme_dict_batch_example_trains_resumes_and_counts_words(bake, tmp_pat
     project = bake(project_name="Word Tags")
     apply_readme_example(project, tmp_path, "### Dict batches of many lengths")
     args = ["--data", "tagged", "--model", "tagger", "--num-classes", "4", "--fake-samples", "512", "--batch-size",
-            "16", "--num-workers", "0", "--device", "cpu", "--lr", "0.5", "--log-every", "8", "--max-steps", "48"]
+            "16", "--num-workers", "0", "--device", "cpu", "--lr", "0.5", "--log-every", "8", "--max-steps", "24"]
     trains_resumes_bitwise_after_kill_9_and_passes_its_tests(project, tmp_path, args)
-    result = run(["torchrun", "--standalone", "--nproc-per-node=2", "train.py", *args, "--max-steps", "16",
-                  "--ckpt-dir", str(tmp_path / "short"), "--log-dir", str(tmp_path / "logs")], cwd=project)
-    assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
-    [evaluation] = [row for row in rows if row["kind"] == "eval"]
+    evaluation = [row for row in rows if row["kind"] == "eval"][0]  # after epoch 0
     assert evaluation["accuracy"] > 0.6 and 500 < evaluation["tokens"] < 128 * 12, evaluation  # words, no padding
     assert all("tokens_per_sec" in row for row in rows if row["kind"] == "train")
 
