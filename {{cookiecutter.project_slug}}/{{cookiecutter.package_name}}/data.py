@@ -8,7 +8,7 @@ import math
 import os
 import signal
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +167,21 @@ def map_tensors(function: Callable[[torch.Tensor], Any], batch: Any) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(map_tensors(function, value) for value in batch)
     return batch
+
+
+def tensors_in(batch: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a batch, in map_tensors' order, without building a new batch."""
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, Mapping):
+        for value in batch.values():
+            yield from tensors_in(value)
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        for spec in dataclasses.fields(batch):
+            yield from tensors_in(getattr(batch, spec.name))
+    elif isinstance(batch, (list, tuple)):
+        for value in batch:
+            yield from tensors_in(value)
 
 
 def to_device(batch: Any, device: torch.device, channels_last: bool = False) -> Any:

@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import re
-import socket
 import sys
 import time
 import traceback
@@ -29,8 +28,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from .checkpoint import list_checkpoints, list_sharded_checkpoints
 from .distributed import DistEnv
-from .watchdog import REPORTING_A_HANG
+from .watchdog import REPORTING_A_HANG, process_identity
 
 # What gloo and NCCL raise on a rank whose peer died: the group is gone, and torchrun restarts it.
 LOST_PEER = re.compile(r"Connection (reset|closed) by peer|Broken pipe|NCCL communicator was aborted|"
@@ -65,18 +65,14 @@ class Crash:
         frames = traceback.extract_tb(error.__traceback__)
         where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
         message = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        command = hashlib.sha256("\0".join(sys.argv).encode()).hexdigest()[:16]
-        return cls(f"{type(error).__name__}: {message}", where, newest_checkpoint_name(ckpt_dir), code_hash(),
-                   command)
-
-    def same_as(self, other: Crash | None) -> bool:
-        return other is not None and asdict(self) == asdict(other)
+        return cls(f"{type(error).__name__}: {message}", where, **conditions_now(ckpt_dir))
 
 
-def newest_checkpoint_name(ckpt_dir: Path) -> str:
-    steps = [int(match[1]) for path in ckpt_dir.glob("step-*") if (match := re.fullmatch(r"step-(\d+)(\.pt)?",
-                                                                                        path.name))]
-    return f"step-{max(steps)}" if steps else "none"
+def conditions_now(ckpt_dir: Path) -> dict[str, str]:
+    """What a retry would start from: the newest checkpoint, the code, the command line."""
+    steps = [step for step, _ in list_checkpoints(ckpt_dir) + list_sharded_checkpoints(ckpt_dir)]
+    return {"newest_checkpoint": f"step-{max(steps)}" if steps else "none", "code": code_hash(),
+            "command": hashlib.sha256("\0".join(sys.argv).encode()).hexdigest()[:16]}
 
 
 def code_hash() -> str:
@@ -85,16 +81,6 @@ def code_hash() -> str:
         if path.is_file():
             digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
-
-
-def launcher_identity() -> str:
-    """This process's parent (torchrun's agent) as host-pid-start time: unique while the machine is up."""
-    parent = os.getppid()
-    try:
-        started = Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        started = "0"
-    return f"{socket.gethostname()}-{parent}-{started}"
 
 
 class CrashRecord:
@@ -106,8 +92,9 @@ class CrashRecord:
         folder = self.ckpt_dir / ".crashes"
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", env.run_id)
         self.path = folder / f"{name}.json"
-        self.launcher = launcher_identity()
-        self.claim = folder / f"{name}.{self.launcher}.attempt-{env.restart_count}.reported"
+        self.launcher = process_identity(os.getppid())  # torchrun's agent: unique while the machine is up
+        launcher = re.sub(r"[^A-Za-z0-9_.-]", "_", self.launcher)
+        self.claim = folder / f"{name}.{launcher}.attempt-{env.restart_count}.reported"
 
     def read(self) -> tuple[Crash | None, bool, str]:
         """(the last crash, whether it was found to be a bug, the torchrun process it happened under)."""
@@ -140,8 +127,8 @@ class CrashRecord:
         if not self.env.launched_by_torchrun:
             return False
         crash, bug, launcher = self.read()
-        return bug and crash is not None and launcher == self.launcher \
-            and crash.newest_checkpoint == newest_checkpoint_name(self.ckpt_dir) and crash.code == code_hash()
+        return bug and crash is not None and launcher == self.launcher and all(
+            getattr(crash, name) == value for name, value in conditions_now(self.ckpt_dir).items())
 
 
 def end_attempt_after(error: Exception, record: CrashRecord | None, env: DistEnv) -> None:
@@ -158,7 +145,7 @@ def end_attempt_after(error: Exception, record: CrashRecord | None, env: DistEnv
         return
     crash = Crash.of(error, record.ckpt_dir)
     previous, _, _ = record.read()
-    repeated = crash.same_as(previous)
+    repeated = crash == previous
     first = record.first_to_report()
     record.write(crash, bug=repeated)
     if not repeated:

@@ -71,26 +71,27 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, amp: MixedPre
     most = all_reduce_int(batches, device, "max")
     if all_reduce_int(batches, device, "min") == 0 < most:
         raise UsageError("the held-out split has fewer samples than there are ranks; use more data")
+    def evaluated(batch) -> tuple[dict, dict[str, torch.Tensor] | None]:
+        with amp.autocast():
+            sums = task.evaluation_sums(model, batch)
+            outputs = None if task.evaluation_outputs is None else task.evaluation_outputs(model, batch)
+        return sums, outputs
+
     totals, rows, batch, problem = None, [], None, None
     for index, batch in enumerate(loader):
         if index == batches:
             break
         batch = to_device(batch, device)
-        with amp.autocast():
-            sums = task.evaluation_sums(model, batch)
-            if task.evaluation_outputs is not None:
-                outputs = task.evaluation_outputs(model, batch)
-                rows.append({name: value.detach().cpu() for name, value in outputs.items()})
+        sums, outputs = evaluated(batch)
+        if outputs is not None:
+            rows.append({name: value.detach().cpu() for name, value in outputs.items()})
         values = {name: torch.as_tensor(value, device=device).double() for name, value in sums.items()}
         if totals is not None and shapes_of(values) != shapes_of(totals):  # reported below, on every rank
             problem = problem or f"task.evaluation_sums returned {shapes_of(values)} after {shapes_of(totals)}"
             continue
         totals = values if totals is None else {name: totals[name] + value for name, value in values.items()}
     for _ in range(most - batches):  # the same forwards and collectives as a counted batch, counted nowhere
-        with amp.autocast():
-            task.evaluation_sums(model, batch)
-            if task.evaluation_outputs is not None:
-                task.evaluation_outputs(model, batch)
+        evaluated(batch)
     model.train(was_training)
     sums = sum_across_ranks(totals, device, task.throughput_unit, problem)
     outputs = {}

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from .data import map_tensors
+from .data import tensors_in
 from .distributed import DistEnv
 from .options import TrainOptions, UsageError
 
@@ -42,9 +42,8 @@ def register_model(name: str) -> Callable[[ModelBuilder], ModelBuilder]:
 def samples_in(batch: Any) -> int:
     """The default unit count of a batch: the length of its first tensor, in any nesting (tuple, dict,
     dataclass)."""
-    lengths = []
-    map_tensors(lambda tensor: lengths.append(tensor.shape[0] if tensor.dim() else 1), batch)
-    return lengths[0] if lengths else 1
+    first = next(tensors_in(batch), None)
+    return first.shape[0] if first is not None and first.dim() else 1
 
 
 # task.py must define these; the rest of Task's fields are optional hooks with the defaults below.

@@ -37,7 +37,7 @@ def save_checkpoint_atomically(state: dict, path: Path) -> str | None:
             torch.save(state, file)
             file.flush()
             os.fsync(file.fileno())
-        if unsafe := torch.serialization.get_unsafe_globals_in_checkpoint(temporary):
+        if unsafe := unsafe_globals(Path(temporary)):
             Path(temporary).unlink()
             return (f"a checkpoint state_dict() holds {', '.join(sorted(unsafe))}, which torch.load(weights_only=True) "
                     "refuses; make each component's state_dict() hold tensors and plain Python values (e.g. "
