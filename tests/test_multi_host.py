@@ -4,6 +4,7 @@ where torchrun's own guesses (store host, MASTER_ADDR) go wrong and run_node.sh'
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -69,7 +70,14 @@ def start_on_host(namespace: str, project: Path, args: list[str], **env: str) ->
 
 
 def finish(nodes: list[subprocess.Popen], timeout: float = 300) -> list[str]:
-    return [node.communicate(timeout=timeout)[0] for node in nodes]
+    """Each node's output once all have exited; past the timeout, every node's whole session is killed."""
+    try:
+        return [node.communicate(timeout=timeout)[0] for node in nodes]
+    except subprocess.TimeoutExpired:
+        for node in nodes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(node.pid, signal.SIGKILL) if os.getsid(node.pid) == node.pid else node.kill()
+        raise
 
 
 def test_two_hosts_train_as_one_job(default_project, hosts, tmp_path):
@@ -188,3 +196,52 @@ def test_bare_c10d_torchrun_on_two_hosts_recovers_from_kill_9_bitwise(
     assert "resuming from" in "".join(outputs), outputs
     assert "forcefully exiting via 9" not in "".join(outputs)
     assert_bitwise_equal(checkpoint(tmp_path, 40), checkpoint(uninterrupted_bare, 40))
+
+
+@pytest.fixture
+def debian_hosts(hosts):
+    """The two hosts as Debian and Ubuntu install them: each maps its own hostname to 127.0.1.1 in /etc/hosts
+    and the other's to its address. [(namespace, hostname, interface)]."""
+    tag = hosts[0][0].rsplit("n", 1)[1]
+    for k, (namespace, _) in enumerate(hosts):
+        other, (_, other_address) = 1 - k, hosts[1 - k]
+        folder = Path("/etc/netns") / namespace
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "hosts").write_text(f"127.0.0.1 localhost\n127.0.1.1 node{k}\n{other_address} node{other}\n")
+    try:
+        yield [(namespace, f"node{k}", f"ddp{k}h{tag}") for k, (namespace, _) in enumerate(hosts)]
+    finally:
+        for namespace, _ in hosts:
+            shutil.rmtree(Path("/etc/netns") / namespace, ignore_errors=True)
+
+
+def on_named_host(namespace: str, hostname: str) -> tuple[str, ...]:
+    """A command prefix that runs on this namespace host under its own hostname (a UTS namespace of its own)."""
+    return ("ip", "netns", "exec", namespace, "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', hostname)
+
+
+def test_bare_c10d_torchrun_trains_on_hosts_that_map_their_name_to_127_0_1_1(default_project, debian_hosts, tmp_path):
+    # gloo itself needs the interface there (it would take the hostname's 127.0.1.1), so the user exports it;
+    # the job must then publish the endpoint machine's name, not the loopback address its route finds.
+    rendezvous = ("--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29407",
+                  "--rdzv-id=debian-hosts")
+    nodes = [bare_torchrun(default_project, tmp_path, "--max-steps", "4", rendezvous=rendezvous,
+                           on_host=on_named_host(namespace, hostname), GLOO_SOCKET_IFNAME=interface)
+             for namespace, hostname, interface in debian_hosts]
+    outputs = finish(nodes, timeout=100)
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert "world_size=2 nodes=2 ranks_per_node=1" in "".join(outputs)
+
+
+def test_run_node_on_hosts_that_map_their_name_to_127_0_1_1(default_project, debian_hosts, hosts, tmp_path):
+    args = [*TINY, "--max-steps", "2", "--ckpt-dir", str(tmp_path)]
+    nodes = [subprocess.Popen([*on_named_host(namespace, hostname), "./run_node.sh", *args], cwd=default_project,
+                              env=tool_env(NNODES="2", NPROC_PER_NODE="1", RDZV_ENDPOINT="node0:29408",
+                                           RDZV_ID="debian-run-node"),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for namespace, hostname, _ in debian_hosts]
+    outputs = finish(nodes, timeout=100)
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    # The endpoint's name resolves to 127.0.1.1 on the endpoint itself: still the machine the others reach.
+    assert f"this_host={hosts[0][1]} is_endpoint=1 gloo_ifname={debian_hosts[0][2]}" in outputs[0], outputs[0]
+    assert f"this_host={hosts[1][1]} is_endpoint=0" in outputs[1], outputs[1]

@@ -85,9 +85,26 @@ ENDPOINT_IP="$(getent ahostsv4 "$ENDPOINT_HOST" | awk 'NR == 1 { print $1 }' || 
 RDZV_CONF="join_timeout=$RDZV_TIMEOUT"
 LOCAL_ADDR_ARGS=()
 DETECTED="address detection skipped (loopback endpoint: all nodes on this machine)"
-if [[ "$ENDPOINT_IP" != 127.* ]]; then
+ROUTE_TARGET="$ENDPOINT_IP"
+if [[ "$ENDPOINT_IP" == 127.* && "$ENDPOINT_HOST" != 127.* && "$ENDPOINT_HOST" != localhost ]]; then
+  # A name that resolves to loopback here is this machine's own (Debian and Ubuntu map their hostname to
+  # 127.0.1.1): this machine is the endpoint, and the others reach it on its network address, which is on
+  # GLOO_SOCKET_IFNAME, the default route's interface, or the only interface with a global address.
+  command -v ip >/dev/null || fail "the 'ip' command (iproute2) is needed to find this machine's network address"
+  OWN_INTERFACE="${GLOO_SOCKET_IFNAME:-$(ip -o route show default | awk 'NR == 1 { for (i = 1; i < NF; i++) if ($i == "dev") print $(i + 1) }')}"
+  if [[ -z "$OWN_INTERFACE" ]] && (($(ip -o -4 addr show scope global | wc -l) == 1)); then
+    OWN_INTERFACE="$(ip -o -4 addr show scope global | awk '{ print $2 }')"
+  fi
+  OWN_ADDR="$(ip -o -4 addr show dev "${OWN_INTERFACE:-lo}" scope global 2>/dev/null | awk 'NR == 1 { split($4, a, "/"); print a[1] }')"
+  if [[ -n "$OWN_ADDR" ]]; then
+    ROUTE_TARGET="$OWN_ADDR"
+  elif [[ "$MAX_NODES" != 1 ]]; then
+    fail "RDZV_ENDPOINT host '$ENDPOINT_HOST' is this machine, but resolves to $ENDPOINT_IP here, which the other machines cannot reach, and this machine's network address is unclear: set GLOO_SOCKET_IFNAME to the interface they reach it on, or put its address in RDZV_ENDPOINT"
+  fi
+fi
+if [[ "$ROUTE_TARGET" != 127.* ]]; then
   command -v ip >/dev/null || fail "the 'ip' command (iproute2) is needed to find this machine's address toward $ENDPOINT_HOST"
-  ROUTE="$(ip -o route get "$ENDPOINT_IP")" || fail "no route from this machine to $ENDPOINT_HOST ($ENDPOINT_IP)"
+  ROUTE="$(ip -o route get "$ROUTE_TARGET")" || fail "no route from this machine to $ENDPOINT_HOST ($ENDPOINT_IP)"
   read -r -a ROUTE_WORDS <<<"$ROUTE"
   LOCAL_ADDR="" INTERFACE="" PREVIOUS=""
   for WORD in "${ROUTE_WORDS[@]}"; do
@@ -100,11 +117,11 @@ if [[ "$ENDPOINT_IP" != 127.* ]]; then
   IS_HOST=0
   if [[ "${ROUTE_WORDS[0]}" == local ]]; then
     IS_HOST=1
-    LOCAL_ADDR="$ENDPOINT_IP"
+    LOCAL_ADDR="$ROUTE_TARGET"
     # The local route goes through lo; the others reach us on the interface that holds the address.
-    INTERFACE="$(ip -o addr show to "$ENDPOINT_IP" | awk 'NR == 1 { print $2 }')"
-    if (exec 3<>"/dev/tcp/$ENDPOINT_IP/$ENDPOINT_PORT") 2>/dev/null; then
-      fail "port $ENDPOINT_PORT is already taken on this machine ($ENDPOINT_IP), the rendezvous endpoint; another job may be using it: choose another port in RDZV_ENDPOINT"
+    INTERFACE="$(ip -o addr show to "$ROUTE_TARGET" | awk 'NR == 1 { print $2 }')"
+    if (exec 3<>"/dev/tcp/$ROUTE_TARGET/$ENDPOINT_PORT") 2>/dev/null; then
+      fail "port $ENDPOINT_PORT is already taken on this machine ($ROUTE_TARGET), the rendezvous endpoint; another job may be using it: choose another port in RDZV_ENDPOINT"
     fi
   fi
   [[ -n "$LOCAL_ADDR" && -n "$INTERFACE" ]] || fail "could not tell this machine's address toward $ENDPOINT_IP from: $ROUTE"

@@ -9,6 +9,7 @@ hands FSDP2's shards to torch.distributed.checkpoint.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import signal
 import socket
@@ -171,7 +172,7 @@ def store_of_this_attempt(env: DistEnv, timeout: timedelta) -> tuple[dist.Store,
     shared = master.connect(timeout)
     key = f"ddp-template/{env.run_id}/store-of-this-attempt"
     if env.is_main_process:
-        host = address_toward(master.host)
+        host = address_others_reach(master.host)
         fresh = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
         token = uuid.uuid4().hex
         fresh.set("token", token)
@@ -234,6 +235,17 @@ def address_toward(host: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((socket.gethostbyname(host), 9))
         return probe.getsockname()[0]
+
+
+def address_others_reach(store_host: str) -> str:
+    """Where the job's other machines can reach this one, which shares the store at `store_host` with them.
+
+    The source address of the route toward the store, except where that route is loopback: then this machine
+    hosts the store under a name that resolves to itself here only (Debian and Ubuntu map a machine's own
+    hostname to 127.0.1.1), and the other machines, which reached the store under that name, reach us so too.
+    """
+    address = address_toward(store_host)
+    return store_host if ipaddress.ip_address(address).is_loopback else address
 
 
 def listening(host: str, port: int) -> bool:
