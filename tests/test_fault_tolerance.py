@@ -419,3 +419,16 @@ def test_with_steps_longer_than_the_report_window_the_stopped_rank_is_the_one_na
     assert "HANG: rank(s) 1 stopped making progress. Where each rank was: rank 0: step 3" in output, output
     assert "sent no report" not in output, output  # rank 0 reported in time: not named, not SIGKILLed
     assert_bitwise_equal(checkpoint(tmp_path / "ckpt", 40), checkpoint(uninterrupted_bare, 40))
+
+
+def test_a_process_in_another_pid_namespace_is_never_taken_for_a_rank_of_this_one(default_project):
+    # A frozen rank is ended by the identity it published; containers that share a hostname (host networking)
+    # but not a pid namespace reuse the same pids, so hostname, pid and start time alone could name a stranger.
+    code = "import os; from ddp_training.watchdog import process_identity; print(process_identity(os.getpid()))"
+    inside = run(["unshare", "--pid", "--fork", "--mount-proc", "python", "-c", code], cwd=default_project)
+    outside = run(["python", "-c", code], cwd=default_project)
+    assert inside.returncode == 0 and outside.returncode == 0, inside.stderr + outside.stderr
+    host, pid, _, boot, namespace = inside.stdout.split()
+    assert (host, pid) == (outside.stdout.split()[0], "1")  # the same hostname; pid 1 in its own namespace
+    assert boot == Path("/proc/sys/kernel/random/boot_id").read_text().strip()  # another machine: another boot id
+    assert namespace != outside.stdout.split()[4], (inside.stdout, outside.stdout)

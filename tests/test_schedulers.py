@@ -41,6 +41,9 @@ def test_pytorchjob_has_what_the_operator_needs(bake, gpus):
     assert job["spec"]["elasticPolicy"] == {"rdzvBackend": "c10d", "rdzvPort": 29400, "minReplicas": 2,
                                             "maxReplicas": 4, "maxRestarts": 5}
     assert job["spec"]["nprocPerNode"] == "auto"  # the nproc_per_node answer, not gpus_per_node
+    # torchrun (PID 1 in the pod) exits 1 after a usage error's silent retries; the pods restart a bounded number
+    # of times, not forever.
+    assert job["spec"]["runPolicy"] == {"backoffLimit": 5}
     worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
     assert worker["replicas"] == 4
     [container] = worker["template"]["spec"]["containers"]
@@ -222,3 +225,23 @@ def test_a_slurm_job_sent_sigterm_saves_requeues_itself_and_resumes_bitwise(
     assert "stopped by SIGTERM after step" in output and "requeueing job" in output, output
     assert "resuming from" in output, output
     assert_bitwise_equal(checkpoint(tmp_path, 40), checkpoint(uninterrupted_bare, 40))
+
+
+@pytest.mark.slow
+@require(os.geteuid() == 0 and HAS_SLURM, "needs root and Debian's slurm-wlm and munge")
+def test_a_slurm_job_with_a_usage_error_fails_once_and_is_not_requeued(bake, slurm_cluster, tmp_path):
+    project = bake(gpus_per_node="0", nproc_per_node="2")
+    submitted = subprocess.run(["sbatch", "--parsable", "--cpus-per-task=1", "slurm/train.sbatch", "--model", "nope",
+                                "--device", "cpu", "--ckpt-dir", str(tmp_path)],
+                               cwd=project, env=slurm_cluster, capture_output=True, text=True)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 180
+    while (state := job_state(job_id, slurm_cluster))["JobState"] in ("PENDING", "RUNNING", "COMPLETING"):
+        assert time.monotonic() < deadline, state
+        time.sleep(0.2)
+    output = (project / f"slurm-{job_id}.out").read_text()
+    assert state["JobState"] == "FAILED" and state["Restarts"] == "0", (state, output)
+    ours = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(ours) == 1 and "--model 'nope' is not registered" in ours[0], output
+    assert f"train.sbatch: not requeueing job {job_id}: {ours[0]}" in output, output

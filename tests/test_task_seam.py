@@ -90,13 +90,21 @@ def test_a_bug_in_evaluation_shows_before_the_first_step(default_project, tmp_pa
 
 
 @pytest.mark.slow
-def test_a_usage_error_is_printed_once_per_job_and_not_restarted(default_project, tmp_path):
-    result = run(["torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=3", "train.py",
-                  "--model", "nope", "--ckpt-dir", str(tmp_path)], cwd=default_project)
-    assert result.returncode != 0
-    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: --model 'nope' is not registered"), \
-        result.stdout + result.stderr
+def test_a_usage_error_is_printed_once_per_job_and_its_retries_are_silent(default_project, tmp_path):
+    # torchrun as PID 1 of a pid namespace, as in a Kubernetes pod, where a signal from a child is ignored: the
+    # job must not depend on ending its launcher. Each of the 4 attempts fails (exit 1, not 137: a killed job
+    # would be requeued), and only the first says why, once, also to the file train.sbatch reads.
+    as_pid_1 = ("unshare", "--pid", "--fork", "--mount-proc") if os.geteuid() == 0 else ()
+    result = run([*as_pid_1, "torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=3", "train.py",
+                  "--model", "nope", "--ckpt-dir", str(tmp_path)], cwd=default_project,
+                 STOP_REQUEUE_FILE=str(tmp_path / "stop-requeue"))
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    ours = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(ours) == 1 and ours[0].startswith("error: --model 'nope' is not registered"), output
+    assert len(re.findall(r"failed \(exitcode: 1\) local_rank: 0", output)) == 4, output  # every attempt ran
+    assert (tmp_path / "stop-requeue").read_text() == ours[0] + "\n"
+    assert not (tmp_path / ".crashes").exists(), "a usage error is not a crash to compare with the next"
 
 
 # A confusion matrix as one sum (a tensor, not a number), and a collective inside the evaluation path, as a

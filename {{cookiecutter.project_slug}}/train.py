@@ -34,9 +34,13 @@ from {{ cookiecutter.package_name }}.distributed import (
     StoreAddress,
     distributed_session,
     select_device,
-    stop_job_for_usage_error,
 )
-from {{ cookiecutter.package_name }}.failure import CrashRecord, end_attempt_after
+from {{ cookiecutter.package_name }}.failure import (
+    CrashRecord,
+    end_attempt_after,
+    end_job_for_usage_error,
+    usage_error_reported_under_this_torchrun,
+)
 from {{ cookiecutter.package_name }}.metrics import build_meter, describe_job, evaluate, log, setup_logging
 from {{ cookiecutter.package_name }}.optim import (
     MixedPrecision,
@@ -140,6 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     env = crashes = None
     try:
         env = DistEnv.from_environ()
+        if usage_error_reported_under_this_torchrun(env):  # the same command again: the same error, already shown
+            sys.exit(1)
         setup_logging(env)
         task = Task.from_module(task_module)  # what task.py defines, and defaults for what it leaves out
         options = parse_options(argv, task.options_class, task.training_defaults)
@@ -153,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
         with distributed_session(env, device, timeout=options.collective_timeout()) as store:
             train(options, task, env, device, store)
     except UsageError as error:
-        stop_job_for_usage_error(error, env)  # one line per job, and torchrun does not restart it
+        end_job_for_usage_error(error, env)  # one line per job; torchrun's retries end at once, silently
     except Exception as error:
         end_attempt_after(error, crashes, env or DistEnv())  # a lost peer or a repeated bug: one line at most
         raise

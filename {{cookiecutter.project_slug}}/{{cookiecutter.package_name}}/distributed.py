@@ -13,7 +13,6 @@ import ipaddress
 import os
 import signal
 import socket
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -367,39 +366,3 @@ def run_once_per_node(env: DistEnv, device: torch.device, action: Callable[[], N
     failure = from_first_rank_with(failure, device)  # every rank gets the first failing node's message
     if failure:
         raise UsageError(failure)
-
-
-def stop_job_for_usage_error(error: UsageError, env: DistEnv | None) -> None:
-    """Report a usage error once per job and end the job, instead of once per rank per attempt.
-
-    torchrun restarts the whole worker group whenever a worker exits non-zero (up to --max-restarts times), and
-    offers no exit status that means "do not restart": a bad flag on 2 ranks with 3 restarts printed its line 8
-    times and took 16 s. An error found identically on every rank is printed by rank 0 alone, and
-    the first rank of every machine ends its torchrun agent with SIGKILL: a killed agent starts nothing more
-    and prints nothing (after SIGTERM it prints a 30-line traceback of its own). The job's exit status is then
-    137 ("killed"), and the one line above it says why. An error only some ranks see (same_on_every_rank=False),
-    or a launcher that is not torchrun, gets the plain behaviour: every rank that has it prints it and exits 1.
-    """
-    uniform = env is not None and error.same_on_every_rank
-    if not uniform or env.is_main_process:
-        prefix = "" if uniform or env is None or env.world_size == 1 else f"[rank {env.rank}] "
-        sys.stderr.write(f"{prefix}error: {error}\n")  # one write, so lines from several ranks do not interleave
-        sys.stderr.flush()
-    agent = os.getppid()
-    if not (uniform and env.launched_by_torchrun and is_torchrun(agent)):
-        sys.exit(1)
-    if env.is_local_main_process:
-        os.kill(agent, signal.SIGKILL)
-    deadline = time.monotonic() + 10  # the other ranks wait for the agent to be gone, lest it restart them
-    while os.getppid() == agent and time.monotonic() < deadline:
-        time.sleep(0.02)
-    sys.exit(1)
-
-
-def is_torchrun(pid: int) -> bool:
-    """Whether a process is torchrun's agent (torchrun, python -m torch.distributed.run, run_node.sh's exec)."""
-    try:
-        command = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ")
-    except OSError:  # not Linux, or gone
-        return False
-    return b"torchrun" in command or b"torch.distributed.run" in command

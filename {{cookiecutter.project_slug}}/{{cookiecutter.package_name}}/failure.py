@@ -1,5 +1,8 @@
 """How a failed rank ends its attempt, so that a job's log says what happened once:
 
+- a usage error (a bad flag, a path, the launch environment) is printed once per job, by rank 0 where every
+  rank finds it; later attempts under the same torchrun end at once in silence, and a requeue script
+  (train.sbatch) is told not to requeue;
 - a rank that lost a peer (killed, its machine gone) prints one line, not a traceback: torchrun restarts the
   group from the newest checkpoint, which is the recovery, not a second error;
 - a bug (the same exception at the same place, from the same checkpoint, with the same code and command, in
@@ -16,11 +19,13 @@ file STOP_REQUEUE_FILE names, from which train.sbatch learns not to requeue.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -30,6 +35,7 @@ import torch.distributed as dist
 
 from .checkpoint import list_checkpoints, list_sharded_checkpoints
 from .distributed import DistEnv
+from .options import UsageError
 from .watchdog import REPORTING_A_HANG, process_identity
 
 # What gloo and NCCL raise on a rank whose peer died: the group is gone, and torchrun restarts it.
@@ -129,6 +135,54 @@ class CrashRecord:
         crash, bug, launcher = self.read()
         return bug and crash is not None and launcher == self.launcher and all(
             getattr(crash, name) == value for name, value in conditions_now(self.ckpt_dir).items())
+
+
+def end_job_for_usage_error(error: UsageError, env: DistEnv | None) -> None:
+    """Print a usage error once per job and exit 1, and make this torchrun's later attempts silent.
+
+    torchrun restarts the worker group after any failure (up to --max-restarts times) and offers no exit
+    status that means "do not restart" (pytorch/pytorch#133877): a bad flag on 2 ranks with 3 restarts printed
+    its line 8 times. An error found identically on every rank is printed by rank 0 alone; one that only some
+    ranks see (same_on_every_rank=False) by each of them. Every rank then marks its torchrun process as having
+    reported it, so that the retries end at start-up without a word, and writes the line to STOP_REQUEUE_FILE,
+    so that train.sbatch does not requeue the job either. No rank kills its launcher: under Kubernetes
+    torchrun is PID 1, which ignores the signal.
+    """
+    uniform = env is not None and error.same_on_every_rank
+    line = f"error: {error}"
+    if not uniform or env.is_main_process:
+        prefix = "" if uniform or env is None or env.world_size == 1 else f"[rank {env.rank}] "
+        sys.stderr.write(f"{prefix}{line}\n")  # one write, so lines from several ranks do not interleave
+        sys.stderr.flush()
+    if env is not None and env.launched_by_torchrun:
+        with contextlib.suppress(OSError):  # without it, the retries print the line again: no worse than that
+            usage_error_marker().write_text(process_identity(os.getppid()) + "\n")
+        if env.stop_requeue_file:
+            Path(env.stop_requeue_file).write_text(line + "\n")
+    sys.exit(1)
+
+
+def usage_error_reported_under_this_torchrun(env: DistEnv) -> bool:
+    """Whether an earlier attempt under the same torchrun process met a usage error: the same command, so the
+    same error; this attempt ends at once."""
+    with contextlib.suppress(OSError):
+        return env.launched_by_torchrun and usage_error_marker().exists()
+    return False
+
+
+def usage_error_marker() -> Path:
+    """A file per torchrun process, named by a hash of its identity (which no other process shares, on any
+    machine or in any container), in the temporary folder. Markers of torchrun processes that have ended are
+    removed here."""
+    folder = Path(tempfile.gettempdir()) / f"{__package__}-usage-errors-{os.getuid()}"
+    folder.mkdir(exist_ok=True)
+    for marker in folder.glob("*.launcher"):
+        with contextlib.suppress(OSError, ValueError, IndexError):  # another rank may be writing or removing it
+            identity = marker.read_text().strip()
+            if identity and process_identity(int(identity.split()[1])) != identity:
+                marker.unlink()
+    launcher = process_identity(os.getppid())
+    return folder / f"{hashlib.sha256(launcher.encode()).hexdigest()[:16]}.launcher"
 
 
 def end_attempt_after(error: Exception, record: CrashRecord | None, env: DistEnv) -> None:

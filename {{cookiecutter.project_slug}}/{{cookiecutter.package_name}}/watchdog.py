@@ -196,10 +196,14 @@ class Watchdog:
 
 
 def process_identity(pid: int) -> str:
-    """"host pid start-time": names one process on one machine, even after its pid is reused (Linux; elsewhere
-    the start time is unknown and the identity never matches another process's)."""
+    """"host pid start-time boot-id pid-namespace": names one process on one machine, even after its pid is
+    reused, and even where containers share a hostname (host networking) but not a pid namespace, so that the
+    same pid means different processes (Linux; elsewhere the start time is unknown and the identity never
+    matches another process's)."""
     try:
         started = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.stat(f"/proc/{pid}/ns/pid").st_ino
     except (OSError, IndexError):
-        started = "unknown"
-    return f"{socket.gethostname()} {pid} {started}"
+        return f"{socket.gethostname()} {pid} unknown"
+    return f"{socket.gethostname()} {pid} {started} {boot} {namespace}"
