@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -245,3 +246,22 @@ def test_run_node_on_hosts_that_map_their_name_to_127_0_1_1(default_project, deb
     # The endpoint's name resolves to 127.0.1.1 on the endpoint itself: still the machine the others reach.
     assert f"this_host={hosts[0][1]} is_endpoint=1 gloo_ifname={debian_hosts[0][2]}" in outputs[0], outputs[0]
     assert f"this_host={hosts[1][1]} is_endpoint=0" in outputs[1], outputs[1]
+
+
+def test_the_static_form_without_node_rank_waits_in_torchrun_before_any_worker_starts(
+        default_project, named_hosts, tmp_path):
+    # What the generated README warns of: the card's command without --rdzv-backend=c10d makes both machines
+    # node 0 of torchrun's static rendezvous, and both torchruns wait without starting train.py, so the project
+    # cannot report it; if torchrun ever reports it itself, this fails and the README's warning should change.
+    nodes = [subprocess.Popen([*on_named_host(namespace, hostname), "torchrun", "--nnodes=2", "--nproc_per_node=1",
+                               "--rdzv_endpoint=node0:29409", "train.py", *TINY, "--ckpt-dir", str(tmp_path)],
+                              cwd=default_project, env=tool_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, start_new_session=True)
+             for namespace, hostname in named_hosts]
+    time.sleep(15)
+    try:
+        assert [node.poll() for node in nodes] == [None, None]
+        assert not worker_pids(nodes[0]) and not worker_pids(nodes[1])
+    finally:
+        with pytest.raises(subprocess.TimeoutExpired):
+            finish(nodes, timeout=0.1)
