@@ -25,6 +25,7 @@ from conftest import (
     start_nodes,
     tool_env,
     wait_for,
+    with_task_code,
     worker_pids,
 )
 
@@ -432,3 +433,56 @@ def test_a_process_in_another_pid_namespace_is_never_taken_for_a_rank_of_this_on
     assert (host, pid) == (outside.stdout.split()[0], "1")  # the same hostname; pid 1 in its own namespace
     assert boot == Path("/proc/sys/kernel/random/boot_id").read_text().strip()  # another machine: another boot id
     assert namespace != outside.stdout.split()[4], (inside.stdout, outside.stdout)
+
+
+# Loader workers that record their pids and, once told, stick in collate (a dataset's I/O that never returns);
+# the start method as a test asks (forkserver: Python 3.14's default on Linux).
+STUCK_WORKERS = '''
+
+import multiprocessing
+import time
+
+from torch.utils.data import default_collate
+
+multiprocessing.set_start_method(os.environ["START_METHOD"], force=True)
+
+
+def collate(samples):
+    folder = Path(os.environ["WORKER_PIDS"])
+    (folder / str(os.getpid())).touch()
+    if (folder / "stuck").exists():
+        time.sleep(3600)
+    return default_collate(samples)
+'''
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_loader_workers_stuck_in_a_sample_end_with_a_rank_the_watchdog_ends(default_project, tmp_path, start_method):
+    project = with_task_code(default_project, tmp_path, "\nimport os\nfrom pathlib import Path\n" + STUCK_WORKERS)
+    pids = tmp_path / "workers"
+    pids.mkdir()
+    job = subprocess.Popen(["torchrun", "--standalone", "--nproc-per-node=1", "train.py", *RUN, "--max-steps",
+                            "1000", "--step-timeout", "3", "--eval-every", "0", "--ckpt-dir", str(tmp_path / "ckpt")],
+                           cwd=project, env=tool_env(WORKER_PIDS=str(pids), START_METHOD=start_method),
+                           stdout=(tmp_path / "log").open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    wait_for(tmp_path / "ckpt" / "step-4.pt", job)  # a file, not a pipe: a worker left over would hold a pipe open
+    (pids / "stuck").touch()
+    job.wait(timeout=120)
+    output = (tmp_path / "log").read_text()
+    assert "no progress for" in output, output[-3000:]
+    workers = [int(path.name) for path in pids.iterdir() if path.name.isdigit()]
+    assert len(workers) == 2, workers
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in workers if alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"loader workers {left} outlived their training process"

@@ -3,10 +3,14 @@ per-sample seeded augmentation, and batches moved to the device."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
 import math
 import os
+import select
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -96,7 +100,7 @@ class ResumableDistributedSampler(DistributedSampler):
         return remaining - remaining % self.samples_per_step
 
 
-def detach_from_job_signals(worker_id: int) -> None:
+def detach_from_job_signals(worker_id: int, training_process: int) -> None:
     """DataLoader workers leave the training process's process group, so the SIGTERM or Ctrl-C that torchrun
     (which signals its workers' groups) or a terminal sends the group does not reach them: the training
     process decides when to stop, saves, and then shuts its workers down itself.
@@ -105,21 +109,40 @@ def detach_from_job_signals(worker_id: int) -> None:
     training process: that is how the DataLoader ends a worker that does not stop when asked, and Python's
     exit ends daemonic children before joining them. A worker that ignored SIGTERM made every exit after an
     error wait for torchrun's SIGKILL, 30 s later; one that obeyed every SIGTERM died under Slurm's
-    preemption signal, failing the step that was to be saved. A worker whose parent dies exits on its own
-    (torch checks the parent)."""
+    preemption signal, failing the step that was to be saved. `training_process` is passed in, not read with
+    os.getppid(): under the forkserver start method (Python 3.14's default on Linux) a worker's parent is the
+    forkserver.
+
+    A worker ends with the training process: torch's own check of its parent runs only between samples, so a
+    worker stuck in a dataset's __getitem__ outlived a training process that the watchdog had ended, in a
+    process group that torchrun no longer signals. Under fork, Linux's parent-death signal kills it even while
+    it holds the GIL; under forkserver the parent is the forkserver, which lives as long as its children do,
+    so a thread also watches the training process itself."""
     os.setpgid(0, 0)
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    training_process_ended = watch_process(training_process)
     signal.set_wakeup_fd(-1)  # the parent's watchdog pipe is not this process's
     close_job_sockets()  # so a dead training process's ports refuse, and its peers' collectives fail, at once
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    training_process = os.getppid()
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # held for the thread below, in every thread
 
-    def obey_sigterm_from_the_training_process() -> None:
+    def follow_the_training_process() -> None:
         while True:
-            if signal.sigwaitinfo({signal.SIGTERM}).si_pid == training_process:
+            received = signal.sigtimedwait({signal.SIGTERM}, 1.0)
+            if (received and received.si_pid == training_process) or training_process_ended():
                 os._exit(0)  # as torch's own worker handler does: a requested exit, not a failure
 
-    threading.Thread(target=obey_sigterm_from_the_training_process, daemon=True).start()
+    threading.Thread(target=follow_the_training_process, daemon=True).start()
+
+
+def watch_process(pid: int) -> Callable[[], bool]:
+    """A check of whether process `pid` has ended: a pidfd on Linux (never fooled by a reused pid)."""
+    try:
+        handle = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # not Linux; or the process has already ended
+        return lambda: not os.path.exists(f"/proc/{pid}") if sys.platform == "linux" else False
+    return lambda: bool(select.select([handle], [], [], 0)[0])
 
 
 def build_loaders(train_set: Dataset, eval_set: Dataset, options: TrainOptions, env: DistEnv,
@@ -134,7 +157,7 @@ def build_loaders(train_set: Dataset, eval_set: Dataset, options: TrainOptions, 
                                           samples_per_step=options.batch_size * options.grad_accum)
     common = dict(batch_size=options.batch_size, num_workers=options.num_workers, collate_fn=collate,
                   pin_memory=device.type == "cuda", persistent_workers=options.num_workers > 0,
-                  worker_init_fn=detach_from_job_signals)
+                  worker_init_fn=functools.partial(detach_from_job_signals, training_process=os.getpid()))
     # drop_last keeps every step's batch the same size on every rank. A generator of its own: otherwise each
     # new epoch's iterator draws a seed from the global RNG, and a resumed run (restored RNG, one more
     # iterator) would continue with other random numbers than the uninterrupted one (e.g. dropout masks).
