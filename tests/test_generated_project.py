@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import mmap
 import re
+from pathlib import Path
 
 import pytest
 
@@ -169,3 +171,35 @@ def test_a_failed_download_stops_every_rank_instead_of_hanging(default_project, 
     # The failing node's message reaches every rank, and rank 0 prints it once for the job (issue 12).
     assert result.stderr.count("error: downloading CIFAR-10") == 1, result.stderr
     assert "failed on node 0: [Errno 20] Not a directory" in result.stderr
+
+
+def test_on_nccl_the_hang_report_uses_torchs_flight_recorder(baked_train, tmp_path, monkeypatch):
+    # NCCL collectives return once queued, so a healthy rank's stack is not "waiting for others" and cannot
+    # name the stopped rank; torch's flight recorder, dumped on every rank when one times out, can.
+    import torch
+
+    from ddp_training.distributed import nccl_flight_recorder_settings
+    from ddp_training.watchdog import hang_summary
+
+    monkeypatch.chdir(tmp_path)
+    settings = nccl_flight_recorder_settings()
+    assert (tmp_path / "hang-reports").is_dir()
+    assert settings["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert settings["TORCH_FR_DUMP_TEMP_FILE"].endswith("hang-reports/nccl_trace_rank_")
+    for name in settings:  # spelled as the installed torch reads them (not the older TORCH_NCCL_TRACE_BUFFER_SIZE)
+        assert any(in_file(name.encode() + b"\0", Path(torch.__file__).parent / "lib" / library)
+                   for library in ("libtorch_cuda.so", "libtorch_cpu.so")), name
+    nccl = {rank: {"step": 10, "phase": "training step", "waiting_for_others": None} for rank in (0, 1)}
+    summary = hang_summary(nccl, silent=[])
+    assert "rank(s)" not in summary and "fr_trace hang-reports" in summary, summary
+    assert hang_summary(nccl, silent=[1]).startswith("HANG: rank(s) 1 stopped making progress (1 sent no report")
+    gloo = {0: {**nccl[0], "waiting_for_others": True}, 1: {**nccl[1], "waiting_for_others": False}}
+    assert hang_summary(gloo, silent=[]).startswith("HANG: rank(s) 1 stopped making progress. Where each rank was: "
+                                                    "rank 0: step 10, training step, waiting for others")
+
+
+def in_file(text: bytes, path: Path) -> bool:
+    if not path.exists():  # a CPU-only build of torch has no libtorch_cuda.so
+        return False
+    with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        return mapped.find(text) >= 0

@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -134,8 +135,8 @@ def distributed_session(env: DistEnv, device: torch.device,
     """
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before init, so NCCL never puts every rank's context on cuda:0
-        # NCCL's flight recorder: the last collectives of each rank, which the watchdog writes out on a hang.
-        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+        for name, value in nccl_flight_recorder_settings().items():  # read when the process group starts
+            os.environ.setdefault(name, value)
     address = None
     if env.launched_by_torchrun:
         with recording_job_sockets():
@@ -149,6 +150,22 @@ def distributed_session(env: DistEnv, device: torch.device,
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# Where hang reports go: the watchdog's, and NCCL's flight records (relative to where the job was started).
+HANG_REPORTS = "hang-reports"
+
+
+def nccl_flight_recorder_settings() -> dict[str, str]:
+    """NCCL's flight recorder: each rank keeps its last 2000 collectives, and when one rank's collective times
+    out, every rank writes them to hang-reports/nccl_trace_rank_<N>, for `python -m
+    torch.distributed.flight_recorder.fr_trace hang-reports` to show which collective each rank reached.
+    That, not a Python stack, tells where NCCL ranks wait: their collectives return as soon as they are queued.
+    (TORCH_NCCL_TRACE_BUFFER_SIZE is the older name of TORCH_FR_BUFFER_SIZE.)"""
+    folder = Path(HANG_REPORTS).resolve()
+    folder.mkdir(exist_ok=True)
+    return {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_FR_DUMP_TEMP_FILE": str(folder / "nccl_trace_rank_")}
 
 
 def store_of_this_attempt(env: DistEnv, timeout: timedelta) -> tuple[dist.Store, StoreAddress]:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .distributed import EXIT_CODE_AFTER_SIGTERM, DistEnv, StoreAddress
+from .distributed import EXIT_CODE_AFTER_SIGTERM, HANG_REPORTS, DistEnv, StoreAddress
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,11 @@ class Watchdog:
         frame = sys._current_frames().get(self._main_thread)
         return "".join(traceback.format_stack(frame)) if frame else "(main thread not found)\n"
 
-    def _waiting_for_others(self) -> bool:
+    def _waiting_for_others(self) -> bool | None:
+        """Whether the main thread waits for other ranks; None on NCCL, whose collectives return as soon as
+        they are queued, so that a healthy rank waits later, at a host sync: its flight record tells."""
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            return None
         frame = sys._current_frames().get(self._main_thread)
         innermost = traceback.extract_stack(frame)[-2:] if frame else []
         return any(part in entry.filename for entry in innermost for part in WAITING_IN)
@@ -127,8 +131,7 @@ class Watchdog:
                   "waiting_for_others": waiting}
         sys.stderr.write(
             f"[rank {self.env.rank}] no progress for {stalled:.0f} s in {what} (step {step}); "
-            f"{'waiting for other ranks' if waiting else 'NOT waiting for other ranks'}; its stack:\n"
-            f"{self._main_thread_stack()}{self._write_nccl_flight_record()}")
+            f"{WAITING_WORDS[waiting]}; its stack:\n{self._main_thread_stack()}{self._write_nccl_flight_record()}")
         sys.stderr.flush()
         try:
             self._share_and_summarize(report)
@@ -138,15 +141,17 @@ class Watchdog:
         os._exit(EXIT_CODE_AFTER_HANG)
 
     def _write_nccl_flight_record(self) -> str:
-        """On NCCL: this rank's last collectives, as torch's flight recorder saw them (read them all with
-        `python -m torch.distributed.flight_recorder.fr_trace hang-reports`); a line saying where, or nothing."""
+        """On NCCL: this rank's last collectives, as torch's flight recorder saw them, beside the ones NCCL
+        writes itself when a collective times out (which may come later than this report, or not at all);
+        a line saying where, or nothing."""
         if not (dist.is_initialized() and dist.get_backend() == "nccl"):
             return ""
         try:
-            trace = torch._C._distributed_c10d._dump_nccl_trace()  # pickled, as fr_trace reads it
-            path = Path("hang-reports") / f"nccl_trace_rank_{self.env.rank}"
+            c10d = torch._C._distributed_c10d
+            trace = getattr(c10d, "_dump_fr_trace", None) or c10d._dump_nccl_trace  # the older name
+            path = Path(HANG_REPORTS) / f"nccl_trace_rank_{self.env.rank}"
             path.parent.mkdir(exist_ok=True)
-            path.write_bytes(trace)
+            path.write_bytes(trace())  # pickled, as fr_trace reads it
             return f"NCCL flight recorder: {path.resolve()}\n"
         except Exception as error:  # noqa: BLE001 - the stack above is the report; this is extra
             return f"(no NCCL flight record: {type(error).__name__}: {error})\n"
@@ -180,19 +185,34 @@ class Watchdog:
                    if store.check([f"{prefix}{rank}"])}
         silent = [rank for rank in range(self.env.world_size) if rank not in reports]
         self._end_frozen_ranks_on_this_machine(store, silent)
-        if min(reports) != self.env.rank:
-            return  # the lowest live rank writes the summary
-        not_waiting = [rank for rank, seen in reports.items() if not seen["waiting_for_others"]]
-        stopped = silent + not_waiting
-        where = "; ".join(f"rank {rank}: step {seen['step']}, {seen['phase']}, "
-                          f"{'waiting for others' if seen['waiting_for_others'] else 'not waiting'}"
-                          for rank, seen in sorted(reports.items()))
+        if min(reports) == self.env.rank:  # the lowest live rank writes the summary
+            sys.stderr.write(hang_summary(reports, silent) + "\n")
+            sys.stderr.flush()
+
+
+WAITING_WORDS = {True: "waiting for other ranks", False: "NOT waiting for other ranks",
+                 None: "NCCL: its flight record says which collective it reached"}
+
+
+def hang_summary(reports: dict[int, dict], silent: list[int]) -> str:
+    """One line naming the rank(s) that stopped: those that sent no report, and those whose main thread was not
+    waiting for others. On NCCL the second cannot be read from a stack, and the flight records name them."""
+    not_waiting = [rank for rank, seen in reports.items() if seen["waiting_for_others"] is False]
+    unknown = any(seen["waiting_for_others"] is None for seen in reports.values())
+    stopped = silent + not_waiting
+    waiting = {True: "waiting for others", False: "not waiting", None: "unknown on NCCL"}
+    where = "; ".join(f"rank {rank}: step {seen['step']}, {seen['phase']}, {waiting[seen['waiting_for_others']]}"
+                      for rank, seen in sorted(reports.items()))
+    if stopped:
         culprit = (f"rank(s) {', '.join(map(str, stopped))} stopped making progress"
-                   + (f" ({', '.join(map(str, silent))} sent no report: stopped, or frozen)" if silent else "")
-                   if stopped else "every rank waits for the others: ranks called different collectives")
-        sys.stderr.write(f"HANG: {culprit}. Where each rank was: {where}. Stacks above; exiting so torchrun "
-                         "restarts the group from the last checkpoint.\n")
-        sys.stderr.flush()
+                   + (f" ({', '.join(map(str, silent))} sent no report: stopped, or frozen)" if silent else ""))
+    elif unknown:
+        culprit = (f"no rank named by its stack on NCCL; `python -m torch.distributed.flight_recorder.fr_trace "
+                   f"{HANG_REPORTS}` shows which collective each rank reached")
+    else:
+        culprit = "every rank waits for the others: ranks called different collectives"
+    return (f"HANG: {culprit}. Where each rank was: {where}. Stacks above; exiting so torchrun restarts the "
+            "group from the last checkpoint.")
 
 
 def process_identity(pid: int) -> str:
