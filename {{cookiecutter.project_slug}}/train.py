@@ -27,14 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from {{ cookiecutter.package_name }} import task as task_module
 from {{ cookiecutter.package_name }}.checkpoint import build_checkpointer, check_checkpoint_dir
 from {{ cookiecutter.package_name }}.data import build_loaders, to_device
-from {{ cookiecutter.package_name }}.distributed import (
-    EXIT_CODE_AFTER_SIGTERM,
-    DistEnv,
-    StopAgreement,
-    StoreAddress,
-    distributed_session,
-    select_device,
-)
+from {{ cookiecutter.package_name }}.distributed import DistEnv, StoreAddress, distributed_session, select_device
 from {{ cookiecutter.package_name }}.failure import (
     CrashRecord,
     end_attempt_after,
@@ -58,7 +51,7 @@ from {{ cookiecutter.package_name }}.parallel import (
 )
 from {{ cookiecutter.package_name }}.registry import Task
 from {{ cookiecutter.package_name }}.reproducibility import seed_and_choose_kernels
-from {{ cookiecutter.package_name }}.watchdog import Watchdog
+from {{ cookiecutter.package_name }}.watchdog import EXIT_CODE_AFTER_SIGTERM, StopAgreement, Watchdog
 
 
 def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device, store: StoreAddress | None) -> None:

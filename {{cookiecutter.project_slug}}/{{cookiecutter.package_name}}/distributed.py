@@ -1,9 +1,9 @@
-"""Everything torchrun and torch.distributed: read the launch environment once, pick device and backend,
-start and tear down the process group, and reduce numbers across ranks.
+"""Joining the job torchrun started: read the launch environment once, pick device and backend, and start
+and tear down the process group on a store of this attempt's own.
 
-Nothing else in the project reads os.environ or calls torch.distributed's collectives directly; parallel.py
-wraps the model (DDP, FSDP2), watchdog.py opens a store connection of its own, and checkpoint/sharded.py
-hands FSDP2's shards to torch.distributed.checkpoint.
+Nothing else in the project reads torchrun's environment; collectives.py reduces numbers across ranks,
+parallel.py wraps the model (DDP, FSDP2), watchdog.py opens a store connection of its own, and
+checkpoint/sharded.py hands FSDP2's shards to torch.distributed.checkpoint.
 """
 
 from __future__ import annotations
@@ -11,11 +11,10 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
-import signal
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -270,116 +269,3 @@ def listening(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
-
-
-def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """Reduce across ranks in place with op "sum", "max" or "min"; returns the tensor for chaining."""
-    if dist.is_initialized():
-        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
-    return tensor
-
-
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum across ranks, in place; returns the tensor for chaining."""
-    return all_reduce(tensor, "sum")
-
-
-def all_gather_objects(value) -> list:
-    """Every rank's value of a picklable object, in rank order, on every rank."""
-    if not dist.is_initialized():
-        return [value]
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
-
-
-def all_reduce_int(value: int, device: torch.device, op: str) -> int:
-    """An integer reduced over ranks with op "sum", "max" or "min" (every rank gets the result)."""
-    return int(all_reduce(torch.tensor([value], dtype=torch.int64, device=device), op).item())
-
-
-def barrier(device: torch.device) -> None:
-    """Wait for every rank. An all-reduce rather than dist.barrier(), which guesses the device under NCCL."""
-    all_reduce_int(0, device, "max")
-
-
-def world_size() -> int:
-    """Ranks in the job: 1 without a process group."""
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def broadcast_object(value, source_rank: int = 0):
-    """`source_rank`'s value of a picklable object (tensors included), on every rank."""
-    if not dist.is_initialized():
-        return value
-    holder = [value]
-    dist.broadcast_object_list(holder, src=source_rank)
-    return holder[0]
-
-
-def from_first_rank_with(value, device: torch.device):
-    """The value of the lowest-numbered rank where it is not None (None if it is None everywhere)."""
-    if not dist.is_initialized():
-        return value
-    world_size = dist.get_world_size()
-    source = all_reduce_int(dist.get_rank() if value is not None else world_size, device, "min")
-    return None if source == world_size else broadcast_object(value, source_rank=source)
-
-
-# Exit status after a clean stop on SIGTERM: the shell's "terminated by SIGTERM", so a scheduler or torchrun
-# sees an interrupted job (to requeue or restart), never a finished one.
-EXIT_CODE_AFTER_SIGTERM = 128 + signal.SIGTERM
-
-
-class StopAgreement:
-    """Turns "SIGTERM reached some rank" into a stop after the same step on every rank.
-
-    Each step, every rank all-reduces its flag (max) on a gloo group of its own, asynchronously, and reads
-    the result one step later: the collective never waits on the GPU and the GPU never waits on it (a
-    blocking read would cost a host sync per step). Every rank reads the same result at the same step.
-    """
-
-    def __init__(self):
-        with recording_job_sockets():
-            self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        self.pending: tuple[torch.Tensor, dist.Work | None] | None = None
-
-    def agreed(self, received: bool) -> bool:
-        stop = False
-        if self.pending is not None:
-            flag, work = self.pending
-            if work is not None:
-                work.wait()
-            stop = bool(flag.item())  # a CPU tensor: no device sync
-        flag = torch.tensor([int(received)], dtype=torch.int32)
-        work = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-                if self.group is not None else None)
-        self.pending = (flag, work)
-        return stop
-
-    def agreed_now(self, received: bool) -> bool:
-        """The same, up to this moment (a blocking all-reduce): before a long phase, such as an epoch's
-        evaluation, which a stop agreed one step later would only come after, maybe past the grace period."""
-        stop = self.agreed(received)
-        flag, work = self.pending
-        if work is not None:
-            work.wait()
-        self.pending = None
-        return stop or bool(flag.item())
-
-
-def run_once_per_node(env: DistEnv, device: torch.device, action: Callable[[], None], what: str) -> None:
-    """Run `action` on local rank 0 of every node while the node's other ranks wait (e.g. a download).
-
-    A failure is shared with every rank, so all of them stop with the same error instead of the others
-    hanging in a barrier until the timeout.
-    """
-    failure = None
-    if env.is_local_main_process:
-        try:
-            action()
-        except Exception as error:  # noqa: BLE001 - reported on every rank below
-            failure = f"{what} failed on node {env.node_rank}: {error}"
-    failure = from_first_rank_with(failure, device)  # every rank gets the first failing node's message
-    if failure:
-        raise UsageError(failure)

@@ -15,16 +15,9 @@ from pathlib import Path
 
 import torch
 
+from .collectives import all_gather_objects, all_reduce_int, all_reduce_sum, from_first_rank_with, world_size
 from .data import to_device
-from .distributed import (
-    DistEnv,
-    all_gather_objects,
-    all_reduce_int,
-    all_reduce_sum,
-    backend_for,
-    from_first_rank_with,
-    world_size,
-)
+from .distributed import DistEnv, backend_for
 from .optim import MixedPrecision
 from .options import TrainOptions, UsageError
 from .parallel import sync_buffers_from_main

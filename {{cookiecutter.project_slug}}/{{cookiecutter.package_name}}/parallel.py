@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from .distributed import all_reduce
+from .collectives import all_reduce
 from .options import UsageError
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from .distributed import DistEnv, all_gather_objects, all_reduce, distributed_session, select_device
+from .collectives import all_gather_objects, all_reduce
+from .distributed import DistEnv, distributed_session, select_device
 from .options import UsageError
 from .parallel import wrap_model
 

@@ -7,7 +7,8 @@ import os
 
 import torch
 
-from .distributed import DistEnv, all_reduce_sum
+from .collectives import all_reduce_sum
+from .distributed import DistEnv
 from .options import TrainOptions
 
 

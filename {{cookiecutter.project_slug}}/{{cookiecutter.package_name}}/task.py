@@ -24,7 +24,8 @@ from torch import nn
 from torch.utils.data import Dataset
 from torchvision import datasets, transforms
 
-from .distributed import DistEnv, run_once_per_node
+from .collectives import run_once_per_node
+from .distributed import DistEnv
 from .options import TrainOptions, UsageError, option
 from .registry import MODELS, register_dataset, register_model
 

@@ -5,7 +5,8 @@ torchrun restarts a worker group only after a worker exits. A rank waiting in a 
 is stopped, stuck, or gone without closing its connections waits out the process-group timeout; and while
 the main thread is inside a collective (C++), Python runs no signal handler, so torchrun's SIGTERM goes
 unanswered until its SIGKILL 30 s later. This thread runs regardless: it sees SIGTERM through a wakeup
-pipe, and the main thread's progress through `beat()`.
+pipe, and the main thread's progress through `beat()`. SIGTERM is handled here alone: the handler, the
+watching thread, and the agreement of all ranks to stop after the same step (StopAgreement).
 """
 
 from __future__ import annotations
@@ -28,9 +29,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .distributed import EXIT_CODE_AFTER_SIGTERM, HANG_REPORTS, DistEnv, StoreAddress
+from .distributed import HANG_REPORTS, DistEnv, StoreAddress, recording_job_sockets
 
 log = logging.getLogger(__name__)
+
+# Exit status after a clean stop on SIGTERM: the shell's "terminated by SIGTERM", so a scheduler or torchrun
+# sees an interrupted job (to requeue or restart), never a finished one.
+EXIT_CODE_AFTER_SIGTERM = 128 + signal.SIGTERM
+
 
 # Exit status of a rank that stopped making progress: non-zero, so torchrun restarts the group.
 EXIT_CODE_AFTER_HANG = 124
@@ -188,6 +194,44 @@ class Watchdog:
         if min(reports) == self.env.rank:  # the lowest live rank writes the summary
             sys.stderr.write(hang_summary(reports, silent) + "\n")
             sys.stderr.flush()
+
+
+
+class StopAgreement:
+    """Turns "SIGTERM reached some rank" into a stop after the same step on every rank.
+
+    Each step, every rank all-reduces its flag (max) on a gloo group of its own, asynchronously, and reads
+    the result one step later: the collective never waits on the GPU and the GPU never waits on it (a
+    blocking read would cost a host sync per step). Every rank reads the same result at the same step.
+    """
+
+    def __init__(self):
+        with recording_job_sockets():
+            self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.pending: tuple[torch.Tensor, dist.Work | None] | None = None
+
+    def agreed(self, received: bool) -> bool:
+        stop = False
+        if self.pending is not None:
+            flag, work = self.pending
+            if work is not None:
+                work.wait()
+            stop = bool(flag.item())  # a CPU tensor: no device sync
+        flag = torch.tensor([int(received)], dtype=torch.int32)
+        work = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+                if self.group is not None else None)
+        self.pending = (flag, work)
+        return stop
+
+    def agreed_now(self, received: bool) -> bool:
+        """The same, up to this moment (a blocking all-reduce): before a long phase, such as an epoch's
+        evaluation, which a stop agreed one step later would only come after, maybe past the grace period."""
+        stop = self.agreed(received)
+        flag, work = self.pending
+        if work is not None:
+            work.wait()
+        self.pending = None
+        return stop or bool(flag.item())
 
 
 WAITING_WORDS = {True: "waiting for other ranks", False: "NOT waiting for other ranks",

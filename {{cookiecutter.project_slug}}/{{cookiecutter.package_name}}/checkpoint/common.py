@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from ..distributed import DistEnv, all_reduce_int, barrier, broadcast_object
+from ..collectives import all_reduce_int, barrier, broadcast_object
+from ..distributed import DistEnv
 from ..options import TrainOptions, UsageError, every_option, fixed_under_a_checkpoint, flag
 from ..parallel import check_replicas_match, sync_buffers_from_main
 from ..reproducibility import restore_rng_states

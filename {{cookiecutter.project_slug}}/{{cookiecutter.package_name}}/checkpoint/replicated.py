@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..distributed import all_reduce_int, broadcast_object, from_first_rank_with
+from ..collectives import all_reduce_int, broadcast_object, from_first_rank_with
 from ..options import UsageError, every_option
 from ..reproducibility import gather_rng_states
 from .common import Checkpointer, TrainingProgress, elect_writers, fsync_directory, log

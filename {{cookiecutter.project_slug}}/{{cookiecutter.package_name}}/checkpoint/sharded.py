@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ..distributed import barrier, broadcast_object
+from ..collectives import barrier, broadcast_object
 from ..optim import member_optimizers
 from ..options import UsageError, every_option
 from ..reproducibility import gather_rng_states

@@ -1,0 +1,83 @@
+"""Collectives on plain numbers and objects, the same calls with or without a process group (one plain
+process: the value itself): what metrics, checkpoints and the task's downloads share across ranks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from .distributed import DistEnv
+from .options import UsageError
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """Reduce across ranks in place with op "sum", "max" or "min"; returns the tensor for chaining."""
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+    return tensor
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum across ranks, in place; returns the tensor for chaining."""
+    return all_reduce(tensor, "sum")
+
+
+def all_gather_objects(value) -> list:
+    """Every rank's value of a picklable object, in rank order, on every rank."""
+    if not dist.is_initialized():
+        return [value]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def all_reduce_int(value: int, device: torch.device, op: str) -> int:
+    """An integer reduced over ranks with op "sum", "max" or "min" (every rank gets the result)."""
+    return int(all_reduce(torch.tensor([value], dtype=torch.int64, device=device), op).item())
+
+
+def barrier(device: torch.device) -> None:
+    """Wait for every rank. An all-reduce rather than dist.barrier(), which guesses the device under NCCL."""
+    all_reduce_int(0, device, "max")
+
+
+def world_size() -> int:
+    """Ranks in the job: 1 without a process group."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def broadcast_object(value, source_rank: int = 0):
+    """`source_rank`'s value of a picklable object (tensors included), on every rank."""
+    if not dist.is_initialized():
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=source_rank)
+    return holder[0]
+
+
+def from_first_rank_with(value, device: torch.device):
+    """The value of the lowest-numbered rank where it is not None (None if it is None everywhere)."""
+    if not dist.is_initialized():
+        return value
+    world_size = dist.get_world_size()
+    source = all_reduce_int(dist.get_rank() if value is not None else world_size, device, "min")
+    return None if source == world_size else broadcast_object(value, source_rank=source)
+
+
+def run_once_per_node(env: DistEnv, device: torch.device, action: Callable[[], None], what: str) -> None:
+    """Run `action` on local rank 0 of every node while the node's other ranks wait (e.g. a download).
+
+    A failure is shared with every rank, so all of them stop with the same error instead of the others
+    hanging in a barrier until the timeout.
+    """
+    failure = None
+    if env.is_local_main_process:
+        try:
+            action()
+        except Exception as error:  # noqa: BLE001 - reported on every rank below
+            failure = f"{what} failed on node {env.node_rank}: {error}"
+    failure = from_first_rank_with(failure, device)  # every rank gets the first failing node's message
+    if failure:
+        raise UsageError(failure)
