@@ -3,6 +3,7 @@ ends where an uninterrupted one does, bit for bit, and no training sample is los
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -215,6 +216,7 @@ def with_fault(tmp_path: Path, code: str) -> dict[str, str]:
 
 
 MACHINE_LOST_AFTER_STEP_10 = """
+import contextlib
 import os
 if "LOCAL_RANK" in os.environ:  # a worker, not torchrun
     import signal
@@ -270,6 +272,7 @@ def test_a_node_that_leaves_and_one_that_joins_later_meet_no_stale_keys(default_
 
 
 RANK_1_HANGS_AFTER_STEP_10 = """
+import contextlib
 import os
 if os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
     import time
@@ -303,6 +306,7 @@ def test_a_rank_that_never_reaches_the_next_collective_is_named_and_the_job_resu
 
 
 RANK_0_SAVES_SLOWLY = """
+import contextlib
 import os
 if os.environ.get("RANK") == "0":
     import time
@@ -358,6 +362,7 @@ def test_resume_lists_changed_options_and_refuses_a_changed_model(default_projec
 
 
 SIGTERM_AT_THE_END_OF_EPOCH_0 = """
+import contextlib
 import os
 if os.environ.get("RANK") == "0":  # a worker, not torchrun
     import signal
@@ -391,6 +396,7 @@ def test_sigterm_at_an_epochs_last_step_stops_before_its_evaluation(default_proj
 # Steps of 4 s on both ranks (first attempt only), and rank 1 hangs after its 2nd optimizer step, past the step's
 # collectives: rank 0 finishes that step and beats once more, so it times out one 4-s step after rank 1.
 SLOW_STEPS_AND_RANK_1_HANGS_AFTER_STEP_2 = """
+import contextlib
 import os
 if "LOCAL_RANK" in os.environ and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
     import time
@@ -486,3 +492,36 @@ def test_loader_workers_stuck_in_a_sample_end_with_a_rank_the_watchdog_ends(defa
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, f"loader workers {left} outlived their training process"
+
+
+# From step 6 on (once told), the loss runs a regular expression that backtracks for hours without releasing
+# the GIL: the watchdog thread, which needs it, cannot run.
+HOLDS_THE_GIL = '''
+
+import re
+
+_plain_loss = compute_loss
+
+
+def compute_loss(model, batch):
+    if Path(os.environ["HOLD_GIL"]).exists():
+        re.match(r"(a+)+$", "a" * 64 + "b")
+    return _plain_loss(model, batch)
+'''
+
+
+def test_a_rank_stuck_holding_the_gil_is_ended_by_faulthandler(default_project, tmp_path):
+    project = with_task_code(default_project, tmp_path, "\nimport os\nfrom pathlib import Path\n" + HOLDS_THE_GIL)
+    job = subprocess.Popen(["torchrun", "--standalone", "--nproc-per-node=1", "train.py", *RUN, "--num-workers", "0",
+                            "--max-steps", "1000", "--step-timeout", "2", "--eval-every", "0", "--ckpt-dir",
+                            str(tmp_path / "ckpt")], cwd=project, env=tool_env(HOLD_GIL=str(tmp_path / "hold")),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    wait_for(tmp_path / "ckpt" / "step-4.pt", job)
+    (tmp_path / "hold").touch()
+    try:
+        output = job.communicate(timeout=90)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode != 0
+    assert "Timeout (0:00:" in output and "in compute_loss" in output, output[-3000:]

@@ -12,6 +12,7 @@ watching thread, and the agreement of all ranks to stop after the same step (Sto
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import logging
 import os
@@ -75,6 +76,13 @@ class Watchdog:
         signal.signal(signal.SIGTERM, self._on_sigterm)
         signal.set_wakeup_fd(wakeup_write, warn_on_full_buffer=False)
         threading.Thread(target=self._watch, name="watchdog", daemon=True).start()
+        self._arm_backstop(io_timeout)
+
+    def _arm_backstop(self, timeout: float) -> None:
+        """This thread needs the GIL, which a main thread stuck in C code that holds it (a regular expression
+        that backtracks for hours, a C extension's loop) never gives up: then faulthandler's own thread, which
+        needs no GIL, prints every thread's stack and exits 1, well after this watchdog would have reported."""
+        faulthandler.dump_traceback_later(2 * timeout + 2 * self._longest_step + 10, exit=True)
 
     def _on_sigterm(self, signum, frame) -> None:
         self.sigterm_received = True
@@ -86,16 +94,19 @@ class Watchdog:
         if not slow:
             self._longest_step = max(self._longest_step, now - since)
         self._phase = ("training step", step + 1, False, now)
+        self._arm_backstop(self.step_timeout)
 
     @contextlib.contextmanager
     def slow_phase(self, what: str) -> Iterator[None]:
         """Checkpoint I/O, evaluation: allowed `io_timeout`, not `step_timeout`."""
         _, step, _, _ = self._phase
         self._phase = (what, step, True, time.monotonic())
+        self._arm_backstop(self.io_timeout)
         try:
             yield
         finally:
             self._phase = ("training step", step, False, time.monotonic())
+            self._arm_backstop(self.step_timeout)
 
     def _watch(self) -> None:
         while True:
