@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from .collectives import all_reduce
@@ -53,21 +53,25 @@ def shard_model(model: nn.Module, param_dtype: torch.dtype | None) -> None:
     and freed after, so only one block is ever whole. Gradients are reduce-scattered in fp32."""
     # fully_shard refuses non-contiguous parameters, which channels-last conv weights are. Inputs stay
     # channels-last, and a convolution with one channels-last operand still runs the NHWC kernels.
+    from torch.distributed.fsdp import fully_shard  # here: importing FSDP costs every rank's start half a second
+
     model.to(memory_format=torch.contiguous_format)
     for block in shardable_blocks(model):
         fully_shard(block, mp_policy=precision_policy(block, param_dtype))
     # The root holds what no block does (stem, head); its outputs return in fp32 for the loss.
     fully_shard(model, mp_policy=precision_policy(model, param_dtype, output_dtype=torch.float32))
-    groups = sum(isinstance(module, FSDPModule) for module in model.modules())
+    groups = sum(is_sharded(module) for module in model.modules())
     log.info("fsdp2: %d groups, one all-gather each per forward and per backward", groups)
 
 
 def precision_policy(group: nn.Module, param_dtype: torch.dtype | None,
-                     output_dtype: torch.dtype | None = None) -> MixedPrecisionPolicy:
+                     output_dtype: torch.dtype | None = None):
     """All-gather a group's parameters in param_dtype, except for a group holding a BatchNorm: its weights must
     match its fp32 running statistics, so the group keeps fp32 parameters and the autocast around the forward
     runs its convolutions in the lower precision, as under DDP. (A group of its own per BatchNorm would cost
     ResNet-50 53 more all-gathers each forward and backward.)"""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     if holds_batchnorm(group):
         param_dtype = None
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, output_dtype=output_dtype)
@@ -77,7 +81,7 @@ def holds_batchnorm(group: nn.Module) -> bool:
     """Whether a BatchNorm's parameters would be in this group (not in an already sharded sub-group)."""
     if isinstance(group, nn.modules.batchnorm._BatchNorm):
         return True
-    return any(holds_batchnorm(child) for child in group.children() if not isinstance(child, FSDPModule))
+    return any(holds_batchnorm(child) for child in group.children() if not is_sharded(child))
 
 
 def shardable_blocks(model: nn.Module) -> list[nn.Module]:
@@ -93,13 +97,19 @@ def shardable_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
+def is_sharded(module: nn.Module) -> bool:
+    """Whether fully_shard wrapped `module`; where FSDP was never imported, nothing was."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
+
+
 def gradient_sync(training_model: torch.nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
     """Wrap a micro-step's forward and backward: with enabled=False, gradients accumulate locally and the
     all-reduce is skipped; the step that finally syncs all-reduces the accumulated sum once."""
     module = getattr(training_model, "_orig_mod", training_model)  # under torch.compile
     if enabled:
         return contextlib.nullcontext()
-    if isinstance(module, FSDPModule):
+    if is_sharded(module):
         return fsdp_gradient_sync_off(module)
     if isinstance(module, DistributedDataParallel):
         return module.no_sync()
@@ -107,7 +117,7 @@ def gradient_sync(training_model: torch.nn.Module, enabled: bool) -> contextlib.
 
 
 @contextlib.contextmanager
-def fsdp_gradient_sync_off(module: FSDPModule):
+def fsdp_gradient_sync_off(module: nn.Module):
     """FSDP2's no_sync: gradients stay unsharded and local until a backward with sync on."""
     module.set_requires_gradient_sync(False)
     try:
@@ -136,7 +146,7 @@ def check_replicas_match(model: nn.Module, step: int) -> int:
     and a loss that falls shows neither. Each rank sums the bits of every parameter (read as integers, so any
     flipped bit counts); one all-reduce of (sums, -sums) with MAX gives every rank each sum's largest and
     smallest value. `model` is the unwrapped model. FSDP2 shards differ by design: nothing to compare."""
-    if not dist.is_initialized() or dist.get_world_size() == 1 or isinstance(model, FSDPModule):
+    if not dist.is_initialized() or dist.get_world_size() == 1 or is_sharded(model):
         return 0
     names, parameters = zip(*model.named_parameters(), strict=True)
     sums = torch.stack([bit_sum(parameter) for parameter in parameters])

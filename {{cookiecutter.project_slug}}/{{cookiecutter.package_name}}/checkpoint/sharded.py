@@ -16,19 +16,15 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from ..collectives import barrier, broadcast_object
 from ..optim import member_optimizers
 from ..options import UsageError, every_option
 from ..reproducibility import gather_rng_states
 from .common import Checkpointer, TrainingProgress, elect_writers, fsync_directory, log
+
+# torch.distributed.checkpoint is imported where it is used: it imports DTensor, which costs every rank's
+# start (and restart) half a second where nothing is sharded.
 
 CHECKPOINT_FOLDER = re.compile(r"step-(\d+)")
 OPTIONS_FILE = "options.json"  # the TrainOptions the run had, beside DCP's files
@@ -46,8 +42,10 @@ def missing_pieces(folder: Path) -> str | None:
 
     Reads only DCP's index: every byte range it lists must exist, so a torn copy is caught before loading.
     """
+    from torch.distributed.checkpoint import FileSystemReader
+
     try:
-        metadata = dcp.FileSystemReader(folder).read_metadata()
+        metadata = FileSystemReader(folder).read_metadata()
     except Exception as error:  # noqa: BLE001 - any unreadable index disqualifies the folder
         return f"unreadable .metadata ({type(error).__name__}: {error})"
     needed: dict[str, int] = {}
@@ -88,6 +86,8 @@ class ShardedCheckpointer(Checkpointer):
             if name == "model" or isinstance(component, torch.optim.Optimizer))
 
     def _state(self, progress: TrainingProgress, world_size: int) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
         model = self.components["model"]
         state = {}
         for name, component in self.components.items():
@@ -102,6 +102,8 @@ class ShardedCheckpointer(Checkpointer):
                 "progress": {**asdict(progress), "world_size": world_size}}
 
     def write(self, progress: TrainingProgress) -> Path | None:
+        from torch.distributed import checkpoint as dcp
+
         final = self.ckpt_dir / f"step-{progress.step}"
         partial = self.ckpt_dir / f".step-{progress.step}.partial"
         dcp.save(self._state(progress, self.env.world_size), checkpoint_id=partial)  # all shards and .metadata
@@ -135,6 +137,9 @@ class ShardedCheckpointer(Checkpointer):
             progress_fields
 
     def read(self, source: Path, components: set[str]) -> dict:
+        from torch.distributed import checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
         top_level, progress_fields = saved_names(source)
         # The shape to fill, less what the folder does not hold (DCP refuses a key it cannot find).
         # An empty state (a disabled gradient scaler) adds no key to a folder, and none to the load either.
@@ -155,7 +160,9 @@ class ShardedCheckpointer(Checkpointer):
 def saved_names(source: Path) -> tuple[set[str], set[str]]:
     """(the top-level names a DCP folder holds, the progress fields it holds). Its metadata names every value by
     its path in the state dict: model.<parameter>, progress.step, torch_rng_state."""
-    paths = [path.split(".") for path in dcp.FileSystemReader(str(source)).read_metadata().state_dict_metadata]
+    from torch.distributed.checkpoint import FileSystemReader
+
+    paths = [path.split(".") for path in FileSystemReader(str(source)).read_metadata().state_dict_metadata]
     return {path[0] for path in paths}, {path[1] for path in paths if path[0] == "progress" and len(path) > 1}
 
 
