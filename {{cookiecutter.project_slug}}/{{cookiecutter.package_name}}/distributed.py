@@ -177,7 +177,9 @@ def store_of_this_attempt(env: DistEnv, timeout: timedelta) -> tuple[dist.Store,
     (a node that joined later). So rank 0 of every attempt starts a fresh store and publishes its address
     with a random token; the others skip entries whose store is gone or holds another token. Without a
     shared store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) torchrun already gives each attempt a fresh one,
-    hosted by rank 0 at MASTER_ADDR:MASTER_PORT, as env:// would.
+    hosted by rank 0 at MASTER_ADDR:MASTER_PORT, as env:// would. This can go, and init_process_group use
+    env:// again, once torchrun gives every attempt's process group keys of its own across nodes that
+    restarted different numbers of times.
     """
     master = StoreAddress(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     if not env.store_shared_across_restarts:
