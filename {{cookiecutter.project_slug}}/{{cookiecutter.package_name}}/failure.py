@@ -173,16 +173,17 @@ def usage_error_reported_under_this_torchrun(env: DistEnv) -> bool:
 def usage_error_marker() -> Path:
     """A file per torchrun process, named by a hash of its identity (which no other process shares, on any
     machine or in any container), in the temporary folder. Markers of torchrun processes that have ended are
-    removed here."""
+    removed here; never this torchrun's own, which another rank may be writing at this moment."""
     folder = Path(tempfile.gettempdir()) / f"{__package__}-usage-errors-{os.getuid()}"
     folder.mkdir(exist_ok=True)
-    for marker in folder.glob("*.launcher"):
-        with contextlib.suppress(OSError, ValueError, IndexError):  # another rank may be writing or removing it
-            identity = marker.read_text().strip()
-            if identity and process_identity(int(identity.split()[1])) != identity:
-                marker.unlink()
     launcher = process_identity(os.getppid())
-    return folder / f"{hashlib.sha256(launcher.encode()).hexdigest()[:16]}.launcher"
+    own = folder / f"{hashlib.sha256(launcher.encode()).hexdigest()[:16]}.launcher"
+    for marker in folder.glob("*.launcher"):
+        with contextlib.suppress(OSError, ValueError, IndexError):  # another process may be removing it
+            identity = marker.read_text().strip()
+            if marker != own and identity and process_identity(int(identity.split()[1])) != identity:
+                marker.unlink()
+    return own
 
 
 def end_attempt_after(error: Exception, record: CrashRecord | None, env: DistEnv) -> None:

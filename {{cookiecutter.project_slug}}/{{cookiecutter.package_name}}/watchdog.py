@@ -1,14 +1,14 @@
 """Keeps one stuck rank from stalling a job: a thread beside the training loop that ends this rank when it
-stops making progress, says where every rank was, and makes SIGTERM prompt.
+stops making progress, says where every rank was, and makes SIGTERM prompt. SIGTERM is handled here alone:
+the handler, the watching thread, and the agreement of all ranks to stop after the same step (StopAgreement).
 
 torchrun restarts a worker group only after a worker exits. A rank waiting in a collective for a peer that
 is stopped, stuck, or gone without closing its connections waits out the process-group timeout; and while
 the main thread is inside a collective (C++), Python runs no signal handler, so torchrun's SIGTERM goes
 unanswered until its SIGKILL 30 s later. This thread runs regardless: it sees SIGTERM through a wakeup
-pipe, and the main thread's progress through `beat()`. (It stays as long as collectives cannot be
-interrupted by a signal and the process-group timeout is the only bound on a wait: with NCCL,
-TORCH_NCCL_ASYNC_ERROR_HANDLING and a shorter timeout after warm-up, as torchtitan sets, do part of it.) SIGTERM is handled here alone: the handler, the
-watching thread, and the agreement of all ranks to stop after the same step (StopAgreement).
+pipe, and the main thread's progress through `beat()`. It stays as long as collectives cannot be
+interrupted by a signal and the process-group timeout is the only bound on a wait (with NCCL,
+TORCH_NCCL_ASYNC_ERROR_HANDLING and a shorter timeout after warm-up, as torchtitan sets, do part of it).
 """
 
 from __future__ import annotations
