@@ -27,10 +27,9 @@ DEFAULT_FILES = {
     "slurm/train.sbatch",
     "tests/harness.py", "tests/test_smoke.py",
     *(f"ddp_training/{name}.py" for name in
-      ("__init__", "checkpoint/__init__", "checkpoint/common", "checkpoint/replicated", "checkpoint/sharded", "collectives",
-       "data",
-       "distributed", "export", "failure", "metrics", "optim", "options", "parallel", "preflight", "registry",
-       "reproducibility", "task", "watchdog")),
+      ("__init__", "checkpoint/__init__", "checkpoint/common", "checkpoint/replicated", "checkpoint/sharded",
+       "collectives", "data", "distributed", "export", "failure", "metrics", "optim", "options", "parallel",
+       "preflight", "registry", "reproducibility", "task", "watchdog")),
 }
 
 # Every value class each answer admits; each is baked and checked.
