@@ -182,7 +182,13 @@ def test_bare_torchrun_recovers_from_two_kills_promptly_and_bitwise(default_proj
         wait_for(tmp_path / f"step-{checkpoint_step}.pt", launcher)
         with paused(launcher) as workers:
             os.kill(workers[-1], signal.SIGKILL)
-    output = launcher.communicate(timeout=300)[0]
+    try:
+        output = launcher.communicate(timeout=300)[0]
+    except subprocess.TimeoutExpired as error:  # say who still holds the output open, then end them
+        left = subprocess.run(["pgrep", "-af", str(tmp_path)], capture_output=True, text=True).stdout
+        subprocess.run(["pkill", "-9", "-f", str(tmp_path)])
+        partial = error.output.decode() if isinstance(error.output, bytes) else str(error.output)
+        pytest.fail(f"still running after 300 s (torchrun: {launcher.poll()}):\n{left}\n{partial[-6000:]}")
     assert launcher.returncode == 0, output
     assert "restart=2" in output and output.count("resuming from") == 2, output
     assert "forcefully exiting via 9" not in output, output  # every survivor left on SIGTERM

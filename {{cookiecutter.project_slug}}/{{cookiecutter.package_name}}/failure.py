@@ -1,7 +1,7 @@
 """How a failed rank ends its attempt, so that a job's log says what happened once:
 
-- a usage error (a bad flag, a path, the launch environment) is printed once per job, by rank 0 where every
-  rank finds it; later attempts under the same torchrun end at once in silence, and a requeue script
+- a usage error (a bad flag, a path, the launch environment) is printed once per machine, by its first rank
+  where every rank finds it; later attempts under the same torchrun end at once in silence, and a requeue script
   (train.sbatch) is told not to requeue;
 - a rank that lost a peer (killed, its machine gone) prints one line, not a traceback: torchrun restarts the
   group from the newest checkpoint, which is the recovery, not a second error;
@@ -138,27 +138,39 @@ class CrashRecord:
 
 
 def end_job_for_usage_error(error: UsageError, env: DistEnv | None) -> None:
-    """Print a usage error once per job and exit 1, and make this torchrun's later attempts silent.
+    """Print a usage error once per machine and exit 1, and make this torchrun's later attempts silent.
 
     torchrun restarts the worker group after any failure (up to --max-restarts times) and offers no exit
     status that means "do not restart" (pytorch/pytorch#133877): a bad flag on 2 ranks with 3 restarts printed
-    its line 8 times. An error found identically on every rank is printed by rank 0 alone; one that only some
-    ranks see (same_on_every_rank=False) by each of them. Every rank then marks its torchrun process as having
-    reported it, so that the retries end at start-up without a word, and writes the line to STOP_REQUEUE_FILE,
-    so that train.sbatch does not requeue the job either. No rank kills its launcher: under Kubernetes
-    torchrun is PID 1, which ignores the signal.
+    its line 8 times. An error found identically on every rank is printed by each machine's first rank (each
+    machine's torchrun has a log of its own); one that only some ranks see (same_on_every_rank=False), by each
+    of them. The printing rank then marks its torchrun process as having reported it, so that the retries end
+    at start-up without a word, and writes the line to STOP_REQUEUE_FILE, so that train.sbatch does not
+    requeue the job either. The machine's other ranks wait for that mark before they exit: torchrun stops the
+    whole group when the first rank exits. No rank kills its launcher: under Kubernetes torchrun is PID 1,
+    which ignores the signal.
     """
     uniform = env is not None and error.same_on_every_rank
     line = f"error: {error}"
-    if not uniform or env.is_main_process:
+    reports = not uniform or env.is_local_main_process
+    if reports:
         prefix = "" if uniform or env is None or env.world_size == 1 else f"[rank {env.rank}] "
         sys.stderr.write(f"{prefix}{line}\n")  # one write, so lines from several ranks do not interleave
         sys.stderr.flush()
-    if env is not None and env.launched_by_torchrun:
-        with contextlib.suppress(OSError):  # without it, the retries print the line again: no worse than that
-            usage_error_marker().write_text(process_identity(os.getppid()) + "\n")
-        if env.stop_requeue_file:
-            Path(env.stop_requeue_file).write_text(line + "\n")
+    if env is None or not env.launched_by_torchrun:
+        sys.exit(1)
+    with contextlib.suppress(OSError):  # without a mark, the retries print the line again: no worse than that
+        marker = usage_error_marker()
+        if reports:
+            partial = marker.with_name(f".{marker.name}.{os.getpid()}")
+            partial.write_text(process_identity(os.getppid()) + "\n")
+            os.replace(partial, marker)
+        else:
+            deadline = time.monotonic() + 10
+            while not marker.exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
+    if reports and env.stop_requeue_file:
+        Path(env.stop_requeue_file).write_text(line + "\n")
     sys.exit(1)
 
 
@@ -173,15 +185,18 @@ def usage_error_reported_under_this_torchrun(env: DistEnv) -> bool:
 def usage_error_marker() -> Path:
     """A file per torchrun process, named by a hash of its identity (which no other process shares, on any
     machine or in any container), in the temporary folder. Markers of torchrun processes that have ended are
-    removed here; never this torchrun's own, which another rank may be writing at this moment."""
+    removed here: those of this pid namespace whose process is gone (never this torchrun's own, which another
+    rank may be writing at this moment), and any a week old (another namespace's, or from before a reboot)."""
     folder = Path(tempfile.gettempdir()) / f"{__package__}-usage-errors-{os.getuid()}"
     folder.mkdir(exist_ok=True)
     launcher = process_identity(os.getppid())
     own = folder / f"{hashlib.sha256(launcher.encode()).hexdigest()[:16]}.launcher"
     for marker in folder.glob("*.launcher"):
         with contextlib.suppress(OSError, ValueError, IndexError):  # another process may be removing it
-            identity = marker.read_text().strip()
-            if marker != own and identity and process_identity(int(identity.split()[1])) != identity:
+            identity = marker.read_text().split()
+            seen_here = identity[3:] == launcher.split()[3:]  # the same boot and pid namespace as this torchrun
+            gone = seen_here and process_identity(int(identity[1])).split() != identity
+            if marker != own and (gone or time.time() - marker.stat().st_mtime > 7 * 24 * 3600):
                 marker.unlink()
     return own
 
