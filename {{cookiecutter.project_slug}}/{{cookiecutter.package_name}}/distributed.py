@@ -262,7 +262,16 @@ def address_others_reach(store_host: str) -> str:
     hostname to 127.0.1.1), and the other machines, which reached the store under that name, reach us so too.
     """
     address = address_toward(store_host)
-    return store_host if ipaddress.ip_address(address).is_loopback else address
+    all_on_this_machine = store_host == "localhost" or is_ip_address(store_host)  # torchrun --standalone, 127.0.0.1
+    return store_host if ipaddress.ip_address(address).is_loopback and not all_on_this_machine else address
+
+
+def is_ip_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
 
 
 def listening(host: str, port: int) -> bool:
