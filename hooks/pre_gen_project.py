@@ -11,12 +11,6 @@ import re
 import subprocess
 import sys
 
-# Every answer as JSON (pure ASCII: quotes, backslashes, newlines and emoji all arrive escaped), read back by
-# Python, so no answer can break this file. Only Jinja's and cookiecutter's own filters are used anywhere in
-# the template: cruft renders two template versions in one process, where a template module of filters
-# would be imported once and stay stale for the second (issue 14).
-ANSWERS = json.loads(r"""{{ cookiecutter | jsonify }}""")
-
 # Names the generated project already uses at its top level, or imports, and so must not be shadowed.
 RESERVED_PACKAGE_NAMES = {"torch", "torchvision", "tests", "train", "setuptools", "pip"}
 
@@ -134,17 +128,27 @@ def remove_empty_parents_once_refused(project_folder: str, output_folder: str) -
                      start_new_session=True)
 
 
-def main() -> int:
-    problems = [(name, check(str(ANSWERS[name]))) for name, check in CHECKS.items()]
-    problems = [(name, problem) for name, problem in problems if problem]
-    for name, problem in problems:
+def problems(answers: dict) -> list[tuple[str, str]]:
+    """(answer, what is wrong with it) for every answer a check refuses."""
+    found = [(name, check(str(answers[name]))) for name, check in CHECKS.items()]
+    return [(name, problem) for name, problem in found if problem]
+
+
+def main(answers: dict) -> int:
+    refused = problems(answers)
+    for name, problem in refused:
         print(f"ERROR: {name}: {problem}", file=sys.stderr)
-    if problems:
-        output_folder = ANSWERS.get("_output_dir")  # set by cookiecutter since 2.2
+    if refused:
+        output_folder = answers.get("_output_dir")  # set by cookiecutter since 2.2
         if output_folder:  # this hook runs inside the project folder
             remove_empty_parents_once_refused(os.path.realpath(os.getcwd()), os.path.realpath(output_folder))
-    return 1 if problems else 0
+    return 1 if refused else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Every answer as JSON (pure ASCII: quotes, backslashes, newlines and emoji all arrive escaped), read back
+    # by Python, so no answer can break this file; read here, so that the unrendered file imports (the tests
+    # call problems() directly). Only Jinja's and cookiecutter's own filters are used anywhere in the
+    # template: cruft renders two template versions in one process, where a template module of filters would
+    # be imported once and stay stale for the second.
+    sys.exit(main(json.loads(r"""{{ cookiecutter | jsonify }}""")))

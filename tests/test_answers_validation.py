@@ -2,13 +2,31 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import re
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import bake_with_cli
+from conftest import TEMPLATE_ROOT, bake_with_cli
+
+
+def load_hook():
+    """hooks/pre_gen_project.py as a module, unrendered: it reads the answers only when run as a script."""
+    spec = importlib.util.spec_from_file_location("pre_gen_project", TEMPLATE_ROOT / "hooks" / "pre_gen_project.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+HOOK = load_hook()
+# The default answers as cookiecutter renders them (the first of each choice).
+DEFAULTS = {**{name: value[0] if isinstance(value, list) else value
+               for name, value in json.loads((TEMPLATE_ROOT / "cookiecutter.json").read_text()).items()
+               if not name.startswith("_")},
+            "project_slug": "ddp-training", "package_name": "ddp_training"}
 
 
 def assert_left_behind(folder: Path, expected: set[str], timeout: float = 10) -> None:
@@ -50,14 +68,25 @@ INVALID_ANSWERS = [
 ]
 
 
+def test_the_default_answers_pass():
+    assert HOOK.problems(DEFAULTS) == []
+
+
 @pytest.mark.parametrize("answers, variable, message", INVALID_ANSWERS,
                          ids=[f"{v}={next(iter(a.values()))!r}" for a, v, _ in INVALID_ANSWERS])
-def test_invalid_answer_is_refused_and_nothing_is_generated(tmp_path, answers, variable, message):
-    result = bake_with_cli(tmp_path, **answers)
+def test_invalid_answer_is_refused(answers, variable, message):
+    refused = HOOK.problems({**DEFAULTS, **answers})
+    assert [name for name, _ in refused] == [variable], refused
+    assert message in refused[0][1], refused
+
+
+def test_a_refused_bake_prints_one_error_line_per_answer_and_leaves_nothing(tmp_path):
+    # Through the cookiecutter command, as a user meets it (package_name derives from the bad slug).
+    result = bake_with_cli(tmp_path, project_slug="a/b", rdzv_port="http")
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR: ")]
-    assert any(line.startswith(f"ERROR: {variable}: ") and message in line for line in errors), result.stderr
-    # An answer derived from a bad one (package_name from project_slug) may be reported too, in the same form.
+    assert any(line.startswith("ERROR: project_slug: ") and "safe folder name" in line for line in errors)
+    assert "ERROR: rdzv_port: 'http' must be a TCP port between 1 and 65535" in errors, result.stderr
     assert all(re.match(r"ERROR: [a-z_]+: \S", line) for line in errors), result.stderr
     assert_left_behind(tmp_path, set())
 
