@@ -500,18 +500,18 @@ def test_loader_workers_stuck_in_a_sample_end_with_a_rank_the_watchdog_ends(defa
     assert not left, f"loader workers {left} outlived their training process"
 
 
-# From step 6 on (once told), the loss runs a regular expression that backtracks for hours without releasing
-# the GIL: the watchdog thread, which needs it, cannot run.
+# Once told, the loss calls C's sleep() through ctypes.PyDLL, which keeps the GIL (as a C extension stuck in a
+# loop would, without burning a core here): the watchdog thread, which needs the GIL, cannot run.
 HOLDS_THE_GIL = '''
 
-import re
+import ctypes
 
 _plain_loss = compute_loss
 
 
 def compute_loss(model, batch):
     if Path(os.environ["HOLD_GIL"]).exists():
-        re.match(r"(a+)+$", "a" * 64 + "b")
+        ctypes.PyDLL(None).sleep(3600)
     return _plain_loss(model, batch)
 '''
 
