@@ -6,11 +6,15 @@ import json
 import re
 import shutil
 import tarfile
-import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
 from conftest import (
     TEMPLATE_ROOT,

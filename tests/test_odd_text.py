@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
-import tomllib
 import zipfile
 
 import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
 from conftest import build_wheel, run
 
