@@ -9,8 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from conftest import TEMPLATE_ROOT, bake_with_cli
+from helpers import TEMPLATE_ROOT, bake_with_cli
 
 
 def load_hook():

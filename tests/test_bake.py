@@ -16,7 +16,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from conftest import (
+from helpers import (
     TEMPLATE_ROOT,
     bake_command,
     bake_with_cli,

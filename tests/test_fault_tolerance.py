@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from conftest import (
+from helpers import (
     BARE,
     assert_bitwise_equal,
     bare_torchrun,
     checkpoint,
     free_port,
+    kill_a_worker_and_finish,
     make_image_folder,
     paused,
     run,
@@ -32,7 +32,7 @@ from conftest import (
 
 pytestmark = pytest.mark.slow  # torchrun jobs: `make test-fast` leaves these out
 
-# The reference run's settings (conftest's BARE: small_cnn, 512 fake samples, 2 ranks of 8, a checkpoint every 4
+# The reference run's settings (helpers.BARE: small_cnn, 512 fake samples, 2 ranks of 8, a checkpoint every 4
 # steps) without its loader workers and step limit, so that every run here ends comparable, bit for bit, with the
 # session's one uninterrupted run. small_cnn: what is restored is the point here, not the model (the imagefolder
 # test keeps resnet18's BatchNorm buffers).
@@ -57,12 +57,7 @@ def start(project: Path, nproc: int, *args: str, max_restarts: int = 0) -> subpr
 def test_kill_9_of_a_worker_mid_epoch_resumes_bitwise(default_project, uninterrupted_bare, tmp_path):
     launcher = start(default_project, 2, "--max-steps", "40", "--num-workers", "0", "--ckpt-dir", str(tmp_path),
                      max_restarts=1)
-    wait_for(tmp_path / "step-8.pt", launcher)
-    with paused(launcher) as workers:
-        os.kill(workers[-1], signal.SIGKILL)
-    output = launcher.communicate(timeout=300)[0]
-    assert launcher.returncode == 0, output
-    assert "restart=1" in output and "resuming from" in output
+    output = kill_a_worker_and_finish(launcher, tmp_path / "step-8.pt")
     # The surviving rank's failed collective is the recovery starting, not a second error: one line.
     assert "[rank 0] lost another rank (" in output and "Traceback" not in output, output
     assert_bitwise_equal(checkpoint(tmp_path, 40), checkpoint(uninterrupted_bare, 40))

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_trains_like_bare, checkpoint, paused, run, tool_env, wait_for
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-from conftest import assert_trains_like_bare, checkpoint, paused, run, tool_env, wait_for
 
 # torchrun jobs: `make test-fast` leaves these out. One xdist worker runs them all, so that the module's
 # reference run is made once.
@@ -22,7 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("fsdp2")]
 
 # small_cnn: no batch statistics, so 1 rank x 16 samples and 2 ranks x 8 compute the same update.
 # 512 samples over 2 ranks of 8: 32 steps an epoch. What these runs train is what the session's DDP reference
-# run (conftest's BARE) trains.
+# run (helpers.BARE) trains.
 RUN = ["--data", "fake", "--model", "small_cnn", "--fake-samples", "512", "--image-size", "16", "--device", "cpu",
        "--num-workers", "0", "--ckpt-every", "4", "--keep-checkpoints", "100", "--log-every", "4"]
 

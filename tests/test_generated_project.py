@@ -7,8 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-
-from conftest import assert_project_tests_pass, main_in_this_process, make_image_folder, run, start_nodes
+from helpers import assert_project_tests_pass, main_in_this_process, make_image_folder, run, start_nodes
 
 TINY = ["--data", "fake", "--image-size", "16", "--batch-size", "16", "--num-workers", "0", "--device", "cpu"]
 

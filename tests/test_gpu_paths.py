@@ -11,9 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import BARE, TEMPLATE_ROOT, checkpoint, run
 from torch.utils.data import DataLoader
-
-from conftest import BARE, TEMPLATE_ROOT, checkpoint, run
 
 
 @pytest.fixture

@@ -4,17 +4,21 @@ resumes on another world size with every training block seen exactly once, and e
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-from conftest import assert_bitwise_equal, assert_project_tests_pass, checkpoint, paused, run, tool_env, wait_for
+from helpers import (
+    assert_bitwise_equal,
+    assert_project_tests_pass,
+    checkpoint,
+    kill_a_worker_and_finish,
+    run,
+    tool_env,
+)
 
 # torchrun jobs: `make test-fast` leaves these out. One xdist worker runs them all, so that the module's
 # reference run is made once.
@@ -89,12 +93,7 @@ def test_language_model_resumes_bitwise_after_kill_9(lm_project, text_dir, unint
                                "--max-steps", "16", "--ckpt-dir", str(tmp_path), max_restarts=1)
     launcher = subprocess.Popen(command, cwd=lm_project, env=tool_env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    wait_for(tmp_path / "step-8.pt", launcher)
-    with paused(launcher) as workers:
-        os.kill(workers[-1], signal.SIGKILL)
-    output = launcher.communicate(timeout=300)[0]
-    assert launcher.returncode == 0, output
-    assert "restart=1" in output and "resuming from" in output
+    kill_a_worker_and_finish(launcher, tmp_path / "step-8.pt")
     # Model, AdamW state, step and the global RNG: as uninterrupted.
     assert_bitwise_equal(checkpoint(tmp_path, 16), checkpoint(reference, 16))
 

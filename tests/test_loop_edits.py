@@ -5,17 +5,14 @@ under DDP and under FSDP2."""
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import kill_a_worker_and_finish, run, tool_env
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-from conftest import paused, run, tool_env, wait_for
 
 pytestmark = pytest.mark.slow  # torchrun jobs: `make test-fast` leaves these out
 
@@ -84,11 +81,7 @@ def test_loop_edits_resume_bitwise_after_kill_9(edited_project, strategy, tmp_pa
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-4000:]
     killed = subprocess.Popen(command(tmp_path / "killed"), cwd=edited_project, env=tool_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    wait_for(tmp_path / "killed" / ("step-8" if strategy == "fsdp2" else "step-8.pt"), killed)
-    with paused(killed) as workers:
-        os.kill(workers[-1], signal.SIGKILL)
-    output = killed.communicate(timeout=300)[0]
-    assert killed.returncode == 0 and "restart=1" in output, output[-4000:]
+    kill_a_worker_and_finish(killed, tmp_path / "killed" / ("step-8" if strategy == "fsdp2" else "step-8.pt"))
 
     expected, resumed = (checkpoint_state(tmp_path / name, 24, tmp_path) for name in ("uninterrupted", "killed"))
     for state in (expected, resumed):  # the one entry that must differ: where each run kept its checkpoints

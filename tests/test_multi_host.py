@@ -13,8 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from conftest import (
+from helpers import (
     assert_bitwise_equal,
     bare_torchrun,
     checkpoint,

@@ -12,7 +12,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from conftest import build_wheel, run
+from helpers import build_wheel, run
 
 AUTHOR = "O'Brien \"the $(whoami)\" 🐍"
 MARKDOWN_SPECIAL = "\\`*_{}[]<>()#+!|"

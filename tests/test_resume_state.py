@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from conftest import BARE, assert_bitwise_equal, checkpoint, run, with_task_code
+from helpers import BARE, assert_bitwise_equal, checkpoint, run, with_task_code
 
 pytestmark = pytest.mark.slow  # torchrun jobs: `make test-fast` leaves these out
 

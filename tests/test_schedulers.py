@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from conftest import BARE, assert_bitwise_equal, checkpoint, require, run, stopped, tool_env
+from helpers import BARE, assert_bitwise_equal, checkpoint, require, run, stopped, tool_env
 
 SCHEDULER_ANSWERS = [
     ({"use_slurm": "yes", "use_kubernetes": "no"}, {"slurm/train.sbatch"}),

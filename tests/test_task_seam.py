@@ -10,20 +10,17 @@ import os
 import random
 import re
 import shutil
-import signal
 import subprocess
 from pathlib import Path
 
 import pytest
-
-from conftest import (
+from helpers import (
     assert_bitwise_equal,
     assert_project_tests_pass,
     checkpoint,
-    paused,
+    kill_a_worker_and_finish,
     run,
     tool_env,
-    wait_for,
     with_task_code,
 )
 
@@ -158,11 +155,7 @@ def trains_resumes_bitwise_after_kill_9_and_passes_its_tests(project: Path, tmp_
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-4000:]
     killed = subprocess.Popen(command(tmp_path / "killed"), cwd=project, env=tool_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    wait_for(tmp_path / "killed" / "step-4.pt", killed)
-    with paused(killed) as workers:
-        os.kill(workers[-1], signal.SIGKILL)
-    output = killed.communicate(timeout=300)[0]
-    assert killed.returncode == 0 and "restart=1" in output, output[-4000:]
+    kill_a_worker_and_finish(killed, tmp_path / "killed" / "step-4.pt")
     final = max(int(path.stem.split("-")[1]) for path in (tmp_path / "uninterrupted").glob("step-*.pt"))
     resumed, expected = checkpoint(tmp_path / "killed", final), checkpoint(tmp_path / "uninterrupted", final)
     assert_bitwise_equal(resumed, expected)

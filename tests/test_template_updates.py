@@ -13,8 +13,7 @@ import stat
 from pathlib import Path
 
 import pytest
-
-from conftest import BIN, TEMPLATE_ROOT, bake_with_cli, run, run_in_terminal
+from helpers import BIN, TEMPLATE_ROOT, bake_with_cli, run, run_in_terminal
 
 # The tilde is not Markdown-special in the first template version; the newer one escapes it (below).
 PROJECT_NAME = 'Tom\'s ~DDP~ "runs" 🚀'

@@ -15,8 +15,7 @@ import termios
 from pathlib import Path
 
 import pytest
-
-from conftest import assert_trains_like_bare, checkpoint, run, tool_env
+from helpers import assert_trains_like_bare, checkpoint, run, tool_env
 
 pytestmark = pytest.mark.slow  # torchrun jobs: `make test-fast` leaves these out
 
