@@ -42,7 +42,7 @@ test-fast: $(INSTALLED) lint
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check benchmarks tests  # hooks and the project are Jinja, linted once baked
-	$(BIN)/shellcheck .ci/run .ci/other_pythons
+	$(BIN)/shellcheck .ci/run .ci/other_pythons .ci/torch_versions
 
 clean:
 	rm -rf $(VENV) build .pytest_cache
