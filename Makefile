@@ -1,10 +1,19 @@
 # The template's two entry points: `make demo` (bake and train) and `make test` (the whole suite).
 # Both create the pinned environment in .venv on first use.
 
-PYTHON ?= python3
+# The environment's Python: the newest here without the fork deadlock of CPython before 3.11.8 and 3.12.2
+# (python/cpython#112275; DataLoader workers start by fork, and one whole-suite run in about seven hung in
+# one), pyenv's included; else python3. Choose another with `make test PYTHON=...`.
+ifneq ($(filter default undefined,$(origin PYTHON)),)
+PYTHON := $(shell for p in python3.13 python3.12 $$(pyenv root 2>/dev/null)/versions/3.1[2-9]*/bin/python3 python3; do \
+	"$$p" -c 'import sys; v = sys.version_info; sys.exit(not (v >= (3, 12, 2) or (3, 11, 8) <= v < (3, 12)))' \
+	2>/dev/null && { echo "$$p"; break; }; done)
+endif
+PYTHON := $(or $(PYTHON),python3)
 VENV := .venv
 BIN := $(abspath $(VENV))/bin
-INSTALLED := $(VENV)/.installed
+# Named after the Python it was made with: another Python, or new requirements, make it again from scratch.
+INSTALLED := $(VENV)/.installed-$(shell $(PYTHON) -c 'import platform; print(platform.python_version())' 2>/dev/null)
 DEMO_DIR := build/demo
 DEMO_PROJECT := $(DEMO_DIR)/ddp-training
 # Small images and a small fake set so the demo takes about a minute on 2 CPU cores.
@@ -16,6 +25,7 @@ DEMO_ARGS := --data fake --fake-samples 1024 --image-size 16 --batch-size 16 --n
 venv: $(INSTALLED)
 
 $(INSTALLED): requirements-dev.txt
+	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet -r requirements-dev.txt
 	touch $@
