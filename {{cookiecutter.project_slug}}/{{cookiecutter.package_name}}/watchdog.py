@@ -77,14 +77,19 @@ class Watchdog:
         os.set_blocking(wakeup_write, False)
         signal.signal(signal.SIGTERM, self._on_sigterm)
         signal.set_wakeup_fd(wakeup_write, warn_on_full_buffer=False)
+        self._arm_backstop(self._phase)
         threading.Thread(target=self._watch, name="watchdog", daemon=True).start()
-        self._arm_backstop(io_timeout)
 
-    def _arm_backstop(self, timeout: float) -> None:
+    def _arm_backstop(self, phase: tuple) -> None:
         """This thread needs the GIL, which a main thread stuck in C code that holds it (a regular expression
         that backtracks for hours, a C extension's loop) never gives up: then faulthandler's own thread, which
-        needs no GIL, prints every thread's stack and exits 1, well after this watchdog would have reported."""
-        faulthandler.dump_traceback_later(2 * timeout + 2 * self._longest_step + 10, exit=True)
+        needs no GIL, prints every thread's stack and exits 1, well after this watchdog would have reported.
+        Training steps are armed from this thread, off the loop's path (an arming starts a thread, about
+        40 us); a slow phase's start and end by the main thread itself, so that neither a long save that holds
+        the GIL meets a step's deadline, nor a step right after one keeps the slow phase's."""
+        _, _, slow, since = phase
+        deadline = since + 2 * (self.io_timeout if slow else self.step_timeout) + 2 * self._longest_step + 10
+        faulthandler.dump_traceback_later(max(deadline - time.monotonic(), 1.0), exit=True)
 
     def _on_sigterm(self, signum, frame) -> None:
         self.sigterm_received = True
@@ -96,22 +101,25 @@ class Watchdog:
         if not slow:
             self._longest_step = max(self._longest_step, now - since)
         self._phase = ("training step", step + 1, False, now)
-        self._arm_backstop(self.step_timeout)
 
     @contextlib.contextmanager
     def slow_phase(self, what: str) -> Iterator[None]:
         """Checkpoint I/O, evaluation: allowed `io_timeout`, not `step_timeout`."""
         _, step, _, _ = self._phase
         self._phase = (what, step, True, time.monotonic())
-        self._arm_backstop(self.io_timeout)
+        self._arm_backstop(self._phase)
         try:
             yield
         finally:
             self._phase = ("training step", step, False, time.monotonic())
-            self._arm_backstop(self.step_timeout)
+            self._arm_backstop(self._phase)
 
     def _watch(self) -> None:
+        armed_for = self._phase  # armed by __init__
         while True:
+            if self._phase is not armed_for:  # a new phase: the backstop's deadline moves with it
+                armed_for = self._phase
+                self._arm_backstop(armed_for)
             if select.select([self._wakeup_read], [], [], 0.25)[0]:
                 if signal.SIGTERM in os.read(self._wakeup_read, 256):
                     self.sigterm_received = True
@@ -207,7 +215,6 @@ class Watchdog:
         if min(reports) == self.env.rank:  # the lowest live rank writes the summary
             sys.stderr.write(hang_summary(reports, silent) + "\n")
             sys.stderr.flush()
-
 
 
 class StopAgreement:
