@@ -162,9 +162,7 @@ def end_job_for_usage_error(error: UsageError, env: DistEnv | None) -> None:
     with contextlib.suppress(OSError):  # without a mark, the retries print the line again: no worse than that
         marker = usage_error_marker()
         if reports:
-            partial = marker.with_name(f".{marker.name}.{os.getpid()}")
-            partial.write_text(process_identity(os.getppid()) + "\n")
-            os.replace(partial, marker)
+            mark_usage_error(marker)
         else:
             deadline = time.monotonic() + 10
             while not marker.exists() and time.monotonic() < deadline:
@@ -184,21 +182,28 @@ def usage_error_reported_under_this_torchrun(env: DistEnv) -> bool:
 
 def usage_error_marker() -> Path:
     """A file per torchrun process, named by a hash of its identity (which no other process shares, on any
-    machine or in any container), in the temporary folder. Markers of torchrun processes that have ended are
-    removed here: those of this pid namespace whose process is gone (never this torchrun's own, which another
-    rank may be writing at this moment), and any a week old (another namespace's, or from before a reboot)."""
-    folder = Path(tempfile.gettempdir()) / f"{__package__}-usage-errors-{os.getuid()}"
-    folder.mkdir(exist_ok=True)
+    machine or in any container), in the temporary folder."""
     launcher = process_identity(os.getppid())
-    own = folder / f"{hashlib.sha256(launcher.encode()).hexdigest()[:16]}.launcher"
-    for marker in folder.glob("*.launcher"):
+    folder = Path(tempfile.gettempdir()) / f"{__package__}-usage-errors-{os.getuid()}"
+    return folder / f"{hashlib.sha256(launcher.encode()).hexdigest()[:16]}.launcher"
+
+
+def mark_usage_error(marker: Path) -> None:
+    """Write this torchrun's marker (whole, or not at all), and remove those of torchrun processes that have
+    ended: of this pid namespace, whose process is gone (never this torchrun's own), and any a week old
+    (another namespace's, or from before a reboot)."""
+    marker.parent.mkdir(exist_ok=True)
+    launcher = process_identity(os.getppid())
+    partial = marker.with_name(f".{marker.name}.{os.getpid()}")
+    partial.write_text(launcher + "\n")
+    os.replace(partial, marker)
+    for other in marker.parent.glob("*.launcher"):
         with contextlib.suppress(OSError, ValueError, IndexError):  # another process may be removing it
-            identity = marker.read_text().split()
+            identity = other.read_text().split()
             seen_here = identity[3:] == launcher.split()[3:]  # the same boot and pid namespace as this torchrun
             gone = seen_here and process_identity(int(identity[1])).split() != identity
-            if marker != own and (gone or time.time() - marker.stat().st_mtime > 7 * 24 * 3600):
-                marker.unlink()
-    return own
+            if other != marker and (gone or time.time() - other.stat().st_mtime > 7 * 24 * 3600):
+                other.unlink()
 
 
 def end_attempt_after(error: Exception, record: CrashRecord | None, env: DistEnv) -> None:
