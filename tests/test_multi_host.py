@@ -174,6 +174,11 @@ def named_hosts(hosts):
             shutil.rmtree(Path("/etc/netns") / namespace, ignore_errors=True)
 
 
+def on_named_host(namespace: str, hostname: str) -> tuple[str, ...]:
+    """A command prefix that runs on this namespace host under its own hostname (a UTS namespace of its own)."""
+    return ("ip", "netns", "exec", namespace, "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', hostname)
+
+
 def test_bare_c10d_torchrun_on_two_hosts_recovers_from_kill_9_bitwise(
         default_project, named_hosts, uninterrupted_bare, tmp_path):
     # The card's command on each machine, nothing exported: before the fresh store per attempt, restarted
@@ -181,8 +186,7 @@ def test_bare_c10d_torchrun_on_two_hosts_recovers_from_kill_9_bitwise(
     rendezvous = ("--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29406",
                   "--rdzv-id=bare-two-hosts")
     nodes = [bare_torchrun(default_project, tmp_path, max_restarts=1, rendezvous=rendezvous,
-                           on_host=("ip", "netns", "exec", namespace, "unshare", "--uts", "sh", "-c",
-                                    'hostname "$0" && exec "$@"', hostname))
+                           on_host=on_named_host(namespace, hostname))
              for namespace, hostname in named_hosts]
     wait_for(tmp_path / "step-8.pt", nodes[0])
     with paused(*nodes):
@@ -213,11 +217,6 @@ def debian_hosts(hosts):
     finally:
         for namespace, _ in hosts:
             shutil.rmtree(Path("/etc/netns") / namespace, ignore_errors=True)
-
-
-def on_named_host(namespace: str, hostname: str) -> tuple[str, ...]:
-    """A command prefix that runs on this namespace host under its own hostname (a UTS namespace of its own)."""
-    return ("ip", "netns", "exec", namespace, "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', hostname)
 
 
 def test_bare_c10d_torchrun_trains_on_hosts_that_map_their_name_to_127_0_1_1(default_project, debian_hosts, tmp_path):
