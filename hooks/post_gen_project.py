@@ -1,5 +1,6 @@
 """Finish the generated project: drop the scheduler files not asked for, set run bits, say what is next."""
 
+import json
 import stat
 import sys
 import tempfile
@@ -9,13 +10,7 @@ EXECUTABLES = ["run_node.sh", "train.py", "slurm/train.sbatch"]
 # The template's own files in the optional folders, each kept only when its answer is "yes". Only these are
 # removed, and their folder only when that leaves it empty: `cookiecutter -f ... use_slurm=no` over an
 # existing project must keep the user's own files in slurm/ (issue 14).
-OPTIONAL_FILES = {
-    "slurm/train.sbatch": {{ cookiecutter.use_slurm == "yes" }},
-    "k8s/pytorchjob.yaml": {{ cookiecutter.use_kubernetes == "yes" }},
-}
-# cruft (diff, update, check) renders the template into temporary folders that it deletes afterwards, and it
-# adds "_commit" to the answers; cookiecutter does not.
-RENDERED_BY_CRUFT = {{ "_commit" in cookiecutter }}
+OPTIONAL_FILES = {"slurm/train.sbatch": "use_slurm", "k8s/pytorchjob.yaml": "use_kubernetes"}
 
 
 def make_executable(path: Path) -> None:
@@ -23,32 +18,33 @@ def make_executable(path: Path) -> None:
     path.chmod(mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
 
 
-def remove_unwanted_files(project: Path) -> None:
-    for name, wanted in OPTIONAL_FILES.items():
+def remove_unwanted_files(project: Path, answers: dict) -> None:
+    for name, answer in OPTIONAL_FILES.items():
         path = project / name
-        if wanted or not path.exists():
+        if answers[answer] == "yes" or not path.exists():
             continue
         path.unlink()
         if not any(path.parent.iterdir()):
             path.parent.rmdir()
 
 
-def a_person_is_reading(project: Path) -> bool:
+def a_person_is_reading(project: Path, answers: dict, terminal: bool) -> bool:
     """Next steps are for someone at a terminal who just baked a project: not for logs, and not for cruft's
-    throwaway renders, whose output would otherwise start with `cd /tmp/<gone>` (issue 14)."""
-    if not sys.stdout.isatty():
-        return False
-    throwaway = RENDERED_BY_CRUFT and project.resolve().is_relative_to(Path(tempfile.gettempdir()).resolve())
-    return not throwaway
+    throwaway renders, whose output would otherwise start with `cd /tmp/<gone>` (issue 14). cruft (diff,
+    update, check) renders into temporary folders that it deletes afterwards, and adds "_commit" to the
+    answers; cookiecutter does not."""
+    rendered_by_cruft = "_commit" in answers
+    throwaway = rendered_by_cruft and project.resolve().is_relative_to(Path(tempfile.gettempdir()).resolve())
+    return terminal and not throwaway
 
 
-def main() -> None:
+def main(answers: dict) -> None:
     project = Path.cwd()
-    remove_unwanted_files(project)
+    remove_unwanted_files(project, answers)
     for name in EXECUTABLES:
         if (project / name).exists():
             make_executable(project / name)
-    if a_person_is_reading(project):
+    if a_person_is_reading(project, answers, sys.stdout.isatty()):
         print(
             f"\nCreated {project}\n\n"
             "Next steps:\n"
@@ -60,4 +56,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # The answers are rendered here only, so that the tests can import this file unrendered and call its
+    # functions directly.
+    main(json.loads(r"""{{ cookiecutter | jsonify }}"""))

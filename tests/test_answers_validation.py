@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import time
 from pathlib import Path
 
 import pytest
-from helpers import TEMPLATE_ROOT, bake_with_cli
+from helpers import TEMPLATE_ROOT, bake_with_cli, import_hook
 
-
-def load_hook():
-    """hooks/pre_gen_project.py as a module, unrendered: it reads the answers only when run as a script."""
-    spec = importlib.util.spec_from_file_location("pre_gen_project", TEMPLATE_ROOT / "hooks" / "pre_gen_project.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-HOOK = load_hook()
+HOOK = import_hook("pre_gen_project")
 # The default answers as cookiecutter renders them (the first of each choice).
 DEFAULTS = {**{name: value[0] if isinstance(value, list) else value
                for name, value in json.loads((TEMPLATE_ROOT / "cookiecutter.json").read_text()).items()
