@@ -4,6 +4,7 @@ checkpoints. Fixtures and pytest hooks live in conftest.py."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import pty
@@ -20,6 +21,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -128,6 +130,15 @@ def make_image_folder(root: Path, images_per_split: dict[str, int]) -> None:
                 Image.frombytes("RGB", (24, 20), pixels).save(folder / f"{index}.png")
 
 
+def import_hook(name: str) -> ModuleType:
+    """hooks/<name>.py as a module, unrendered: the hooks read the answers only when run as a script, so their
+    functions are called here directly, without a bake."""
+    spec = importlib.util.spec_from_file_location(name, TEMPLATE_ROOT / "hooks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def bake_command(output_dir: Path, *options: str, template: Path = TEMPLATE_ROOT, **answers: str) -> list[str]:
     """The cookiecutter command a user types: no prompts, answers as key=value, extra options (-f) first."""
     return [str(BIN / "cookiecutter"), "--no-input", *options, "--output-dir", str(output_dir), str(template),
@@ -212,33 +223,84 @@ def main_in_this_process(baked_train, args: list[str], capsys) -> subprocess.Com
     return subprocess.CompletedProcess(args, status, output.out, output.err)
 
 
-# The user's launch path: the torchrun command from the docs, nothing exported, a small model, loader workers.
-BARE = ["--model", "small_cnn", "--data", "fake", "--fake-samples", "512", "--image-size", "16", "--batch-size",
-        "8", "--device", "cpu", "--ckpt-every", "4", "--keep-checkpoints", "100", "--log-every", "1",
-        "--num-workers", "2", "--max-steps", "40"]
+def flags(**values: object) -> list[str]:
+    """Command-line flags from option names: flags(num_workers=0, deterministic=True) is
+    ["--num-workers", "0", "--deterministic"]; a value of None leaves the flag out."""
+    args = []
+    for name, value in values.items():
+        if value is not None:
+            args += [f"--{name.replace('_', '-')}", *([] if value is True else [str(value)])]
+    return args
+
+
+# A tiny run of the default (image) task: a small model on 512 fake 16-px images, 2 ranks of 8 (32 steps an
+# epoch), a checkpoint every 4 steps, loader workers as users have them. The session's reference run
+# (conftest's uninterrupted_bare) is exactly this, to step 40.
+TINY_RUN = dict(model="small_cnn", data="fake", fake_samples=512, image_size=16, batch_size=8, device="cpu",
+                ckpt_every=4, keep_checkpoints=100, log_every=1, num_workers=2, max_steps=40)
+
+
+def tiny_run(**overrides: object) -> list[str]:
+    """The flags of TINY_RUN with these overrides (None drops a flag): tiny_run(num_workers=0, max_steps=8)."""
+    return flags(**{**TINY_RUN, **overrides})
+
+
+BARE = tiny_run()
 
 
 def assert_trains_like_bare(args: list[str]) -> None:
     """That these flags, with --batch-size 8, train what BARE trains: the same value for every flag that decides
     the weights (loader workers, logging and the step limit do not; the LR schedule spans --epochs)."""
-    reference, flags = dict(zip(BARE[::2], BARE[1::2], strict=True)), dict(zip(args[::2], args[1::2], strict=True))
-    assert reference["--batch-size"] == "8" and flags.get("--batch-size", "8") == "8", (args, BARE)
+    reference, given = dict(zip(BARE[::2], BARE[1::2], strict=True)), dict(zip(args[::2], args[1::2], strict=True))
+    assert reference["--batch-size"] == "8" and given.get("--batch-size", "8") == "8", (args, BARE)
     ignored = {"--batch-size", "--num-workers", "--log-every", "--max-steps", "--ckpt-every", "--keep-checkpoints"}
-    deciding = (reference.keys() | flags.keys()) - ignored  # a flag only one side gives must show up as a difference
-    differing = {flag for flag in deciding if flags.get(flag) != reference.get(flag)}
+    deciding = (reference.keys() | given.keys()) - ignored  # a flag only one side gives must show up as a difference
+    differing = {flag for flag in deciding if given.get(flag) != reference.get(flag)}
     assert not differing, (differing, args, BARE)
 
 
-def bare_torchrun(project: Path, ckpt_dir: Path, *args: str, max_restarts: int = 0,
-                  rendezvous: tuple[str, ...] = ("--standalone", "--nproc-per-node=2"), on_host: tuple[str, ...] = (),
-                  **env: str) -> subprocess.Popen:
-    """torchrun as the docs show it, with nothing TORCH_* exported; `on_host` prefixes the command (a
-    namespace host). A session of its own, so a signal can go to the whole process group."""
-    environment = {name: value for name, value in tool_env(**env).items() if not name.startswith("TORCH")}
-    return subprocess.Popen([*on_host, "torchrun", *rendezvous, f"--max-restarts={max_restarts}",
-                             "train.py", *BARE, "--ckpt-dir", str(ckpt_dir), *args],
-                            cwd=project, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+def start_job(project: Path, args: list[str], *, via: str = "torchrun", nproc: int = 2, max_restarts: int = 0,
+              rendezvous: tuple[str, ...] = ("--standalone",), prefix: tuple[str, ...] = (), bare: bool = False,
+              stdout: object = subprocess.PIPE, stderr: object = subprocess.STDOUT, **env: str) -> subprocess.Popen:
+    """Start a training job of `project` as users do, in the background:
+    - via="torchrun": torchrun RENDEZVOUS --nproc-per-node=N --max-restarts=R train.py ARGS (the docs' command);
+    - via="run_node.sh": ./run_node.sh ARGS with NPROC_PER_NODE=N and MAX_RESTARTS=R (it execs torchrun);
+    - via="python": python train.py ARGS, one process without torchrun.
+    `prefix` runs it under another command (a network-namespace host, a pid namespace); bare=True exports
+    nothing TORCH_*. A session of its own, so a signal can go to the whole process group, as Slurm and
+    Kubernetes send it. Output is text on a pipe, stderr merged into stdout, unless asked otherwise."""
+    if via == "torchrun":
+        command = ["torchrun", *rendezvous, f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+                   "train.py", *args]
+    elif via == "run_node.sh":
+        command, env = ["./run_node.sh", *args], {"NPROC_PER_NODE": str(nproc), "MAX_RESTARTS": str(max_restarts),
+                                                   **env}
+    else:
+        assert via == "python" and nproc == 1, (via, nproc)
+        command = ["python", "train.py", *args]
+    environment = tool_env(**env)
+    if bare:
+        environment = {name: value for name, value in environment.items() if not name.startswith("TORCH")}
+    return subprocess.Popen([*prefix, *command], cwd=project, env=environment, stdout=stdout, stderr=stderr,
                             text=True, start_new_session=True)
+
+
+def run_job(project: Path, args: list[str], *, timeout: float = 300, **launch: object) -> subprocess.CompletedProcess:
+    """start_job(project, args, **launch) to its end: its exit status, stdout and stderr (train.py logs there).
+    A job still running after `timeout` seconds is killed with every process in its group."""
+    job = start_job(project, args, stderr=subprocess.PIPE, **launch)
+    try:
+        stdout, stderr = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.communicate()
+        raise
+    return subprocess.CompletedProcess(job.args, job.returncode, stdout, stderr)
+
+
+def bare_torchrun(project: Path, ckpt_dir: Path, *args: str, **launch: object) -> subprocess.Popen:
+    """The session reference's run (BARE) as the docs' torchrun command, nothing TORCH_* exported."""
+    return start_job(project, [*BARE, "--ckpt-dir", str(ckpt_dir), *args], bare=True, **launch)
 
 
 def checkpoint(ckpt_dir: Path, step: int) -> dict:

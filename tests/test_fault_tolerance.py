@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import (
-    BARE,
     assert_bitwise_equal,
     bare_torchrun,
     checkpoint,
@@ -23,8 +22,10 @@ from helpers import (
     make_image_folder,
     paused,
     run,
+    run_job,
+    start_job,
     start_nodes,
-    tool_env,
+    tiny_run,
     wait_for,
     with_task_code,
     worker_pids,
@@ -32,31 +33,14 @@ from helpers import (
 
 pytestmark = pytest.mark.slow  # torchrun jobs: `make test-fast` leaves these out
 
-# The reference run's settings (helpers.BARE: small_cnn, 512 fake samples, 2 ranks of 8, a checkpoint every 4
-# steps) without its loader workers and step limit, so that every run here ends comparable, bit for bit, with the
-# session's one uninterrupted run. small_cnn: what is restored is the point here, not the model (the imagefolder
-# test keeps resnet18's BatchNorm buffers).
-RUN = BARE[:-4]
-assert BARE[-4:-2] == ["--num-workers", "2"] and BARE[-2] == "--max-steps"
-
-
-def launch(project: Path, nproc: int, *args: str, max_restarts: int = 0) -> subprocess.CompletedProcess:
-    """run_node.sh on one machine (torchrun --standalone), to completion."""
-    return run(["./run_node.sh", *RUN, *args], cwd=project, NPROC_PER_NODE=str(nproc),
-               MAX_RESTARTS=str(max_restarts))
-
-
-def start(project: Path, nproc: int, *args: str, max_restarts: int = 0) -> subprocess.Popen:
-    """run_node.sh in the background. It execs torchrun, so the process is torchrun itself. A session of
-    its own lets a signal go to the whole process group, as Slurm and Kubernetes send it."""
-    environment = tool_env(NPROC_PER_NODE=str(nproc), MAX_RESTARTS=str(max_restarts))
-    return subprocess.Popen(["./run_node.sh", *RUN, *args], cwd=project, env=environment, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+# Every run here has the settings of the session's one uninterrupted run (helpers.TINY_RUN), so that it ends
+# comparable with it, bit for bit. small_cnn: what is restored is the point here, not the model (the
+# imagefolder test keeps resnet18's BatchNorm buffers).
 
 
 def test_kill_9_of_a_worker_mid_epoch_resumes_bitwise(default_project, uninterrupted_bare, tmp_path):
-    launcher = start(default_project, 2, "--max-steps", "40", "--num-workers", "0", "--ckpt-dir", str(tmp_path),
-                     max_restarts=1)
+    launcher = start_job(default_project, tiny_run(num_workers=0, ckpt_dir=tmp_path), via="run_node.sh",
+                         max_restarts=1)
     output = kill_a_worker_and_finish(launcher, tmp_path / "step-8.pt")
     # The surviving rank's failed collective is the recovery starting, not a second error: one line.
     assert "[rank 0] lost another rank (" in output and "Traceback" not in output, output
@@ -67,7 +51,7 @@ def test_sigterm_to_the_job_saves_at_one_agreed_step_and_resumes_bitwise(default
                                                                          tmp_path):
     # SIGTERM to torchrun's process group, as a terminal or `kill -- -PGID` sends it; the DataLoader workers
     # have left that group (the Slurm test sends SIGTERM to every process, workers included).
-    launcher = start(default_project, 2, "--max-steps", "40", "--num-workers", "2", "--ckpt-dir", str(tmp_path))
+    launcher = start_job(default_project, tiny_run(ckpt_dir=tmp_path), via="run_node.sh")
     wait_for(tmp_path / "step-8.pt", launcher)
     with paused(launcher):
         signalled = time.monotonic()
@@ -81,7 +65,7 @@ def test_sigterm_to_the_job_saves_at_one_agreed_step_and_resumes_bitwise(default
     assert "DataLoader worker" not in output, output
     assert stop_seconds < 25, f"took {stop_seconds:.1f}s; torchrun kills workers 30s after SIGTERM"
 
-    resumed = launch(default_project, 2, "--max-steps", "40", "--num-workers", "2", "--ckpt-dir", str(tmp_path))
+    resumed = run_job(default_project, tiny_run(ckpt_dir=tmp_path), via="run_node.sh")
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming from {tmp_path / f'step-{stopped_step}.pt'}" in resumed.stderr
     assert_bitwise_equal(checkpoint(tmp_path, 40), checkpoint(uninterrupted_bare, 40))
@@ -90,15 +74,15 @@ def test_sigterm_to_the_job_saves_at_one_agreed_step_and_resumes_bitwise(default
 def test_random_augmentation_is_redrawn_identically_after_a_resume(default_project, tmp_path):
     # imagefolder trains with random crops and flips: 12 images, batch 4, one rank: 3 steps an epoch.
     make_image_folder(tmp_path / "images", {"train": 6, "val": 2})
-    images = ["--model", "resnet18", "--data", "imagefolder", "--data-dir", str(tmp_path / "images"),
-              "--num-classes", "2", "--batch-size", "4", "--ckpt-every", "1"]
+    images = dict(model="resnet18", data="imagefolder", data_dir=tmp_path / "images", num_classes=2, batch_size=4,
+                  ckpt_every=1)
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
-    assert launch(default_project, 1, *images, "--max-steps", "5", "--num-workers", "0",
-                  "--ckpt-dir", str(reference)).returncode == 0
+    assert run_job(default_project, tiny_run(**images, max_steps=5, num_workers=0, ckpt_dir=reference),
+                   via="run_node.sh", nproc=1).returncode == 0
     # Stopped mid-epoch, then resumed with another number of DataLoader workers.
-    for max_steps, workers in (("2", "0"), ("5", "2")):
-        result = launch(default_project, 1, *images, "--max-steps", max_steps, "--num-workers", workers,
-                        "--ckpt-dir", str(resumed))
+    for max_steps, workers in ((2, 0), (5, 2)):
+        result = run_job(default_project, tiny_run(**images, max_steps=max_steps, num_workers=workers,
+                                                   ckpt_dir=resumed), via="run_node.sh", nproc=1)
         assert result.returncode == 0, result.stderr
     assert "resuming from" in result.stderr
     assert_bitwise_equal(checkpoint(resumed, 5), checkpoint(reference, 5))
@@ -112,7 +96,7 @@ def test_truncated_newest_checkpoint_and_leftover_temporary_fall_back_to_previou
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # a crash mid-write, not atomic
     leftover = tmp_path / ".step-12.pt.x1y2.tmp"
     leftover.write_bytes(b"interrupted write")  # what our atomic save leaves when killed mid-write
-    result = launch(default_project, 2, "--max-steps", "12", "--num-workers", "0", "--ckpt-dir", str(tmp_path))
+    result = run_job(default_project, tiny_run(max_steps=12, num_workers=0, ckpt_dir=tmp_path), via="run_node.sh")
     assert result.returncode == 0, result.stderr
     assert f"skipping unreadable checkpoint {newest}" in result.stderr
     assert f"resuming from {tmp_path / 'step-4.pt'}" in result.stderr
@@ -123,7 +107,7 @@ def test_truncated_newest_checkpoint_and_leftover_temporary_fall_back_to_previou
 
 def test_no_valid_checkpoint_starts_from_scratch(default_project, uninterrupted_bare, tmp_path):
     (tmp_path / "step-4.pt").write_bytes(b"not a checkpoint")
-    result = launch(default_project, 2, "--max-steps", "4", "--num-workers", "0", "--ckpt-dir", str(tmp_path))
+    result = run_job(default_project, tiny_run(max_steps=4, num_workers=0, ckpt_dir=tmp_path), via="run_node.sh")
     assert result.returncode == 0, result.stderr
     assert f"skipping unreadable checkpoint {tmp_path / 'step-4.pt'}" in result.stderr
     assert f"no valid checkpoint in {tmp_path}; starting from scratch" in result.stderr
@@ -136,11 +120,12 @@ def logged_indices(sample_log: Path) -> list[int]:
 
 def test_two_ranks_to_one_mid_epoch_loses_and_repeats_no_sample(default_project, tmp_path):
     ckpt_dir, before, after = tmp_path / "ckpt", tmp_path / "before", tmp_path / "after"
-    per_rank_16 = ["--batch-size", "16", "--num-workers", "0", "--ckpt-dir", str(ckpt_dir)]  # 16 steps an epoch
-    two_ranks = launch(default_project, 2, *per_rank_16, "--max-steps", "6", "--sample-log", str(before))
+    per_rank_16 = dict(batch_size=16, num_workers=0, ckpt_dir=ckpt_dir)  # 16 steps an epoch
+    two_ranks = run_job(default_project, tiny_run(**per_rank_16, max_steps=6, sample_log=before), via="run_node.sh")
     assert two_ranks.returncode == 0, two_ranks.stderr
     # One rank finishes the epoch: the 512 - 6 * 32 = 320 samples not yet seen, in 20 steps of 16.
-    one_rank = launch(default_project, 1, *per_rank_16, "--epochs", "1", "--sample-log", str(after))
+    one_rank = run_job(default_project, tiny_run(**per_rank_16, max_steps=None, epochs=1, sample_log=after),
+                       via="run_node.sh", nproc=1)
     assert one_rank.returncode == 0, one_rank.stderr
     assert "(step 6, epoch 0, 192 samples into the epoch, saved by 2 ranks)" in one_rank.stderr
     assert "world_size=1" in one_rank.stderr
@@ -152,7 +137,7 @@ def test_two_ranks_to_one_mid_epoch_loses_and_repeats_no_sample(default_project,
 
 def run_two_nodes(project: Path, ckpt_dirs: list[Path], *args: str) -> str:
     """Two 1-rank "machines", each with its own --ckpt-dir standing for its own local disk."""
-    node_args = [[*RUN, "--num-workers", "0", "--ckpt-dir", str(ckpt_dir), *args] for ckpt_dir in ckpt_dirs]
+    node_args = [[*tiny_run(num_workers=0, max_steps=None, ckpt_dir=ckpt_dir), *args] for ckpt_dir in ckpt_dirs]
     return "".join(start_nodes(project, node_args, rdzv_id="node-local"))
 
 
@@ -245,11 +230,8 @@ def test_a_node_that_leaves_and_one_that_joins_later_meet_no_stale_keys(default_
     port = free_port()
 
     def node(**env: str) -> subprocess.Popen:
-        environment = tool_env(NNODES="1:2", NPROC_PER_NODE="1", RDZV_ENDPOINT=f"127.0.0.1:{port}",
-                               RDZV_ID="membership", MAX_RESTARTS="1", **env)
-        return subprocess.Popen(["./run_node.sh", *BARE, "--ckpt-dir", str(tmp_path / "ckpt")],
-                                cwd=default_project, env=environment, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+        return start_job(default_project, tiny_run(ckpt_dir=tmp_path / "ckpt"), via="run_node.sh", nproc=1,
+                         max_restarts=1, NNODES="1:2", RDZV_ENDPOINT=f"127.0.0.1:{port}", RDZV_ID="membership", **env)
 
     first = node()
     # On loopback every node is on the endpoint's address; the first to listen hosts the rendezvous store,
@@ -327,10 +309,9 @@ if os.environ.get("RANK") == "0":
 def test_a_save_after_sigterm_that_takes_longer_than_30_s_completes(default_project, tmp_path):
     # torchrun SIGKILLs its workers 30 s after forwarding SIGTERM unless TORCH_ELASTIC_SHUTDOWN_TIMEOUT says
     # otherwise; run_node.sh sets 100 s, inside the lead time Slurm (--signal) and Kubernetes (grace) give.
-    environment = tool_env(NPROC_PER_NODE="2", MAX_RESTARTS="0", **with_fault(tmp_path, RANK_0_SAVES_SLOWLY))
-    launcher = subprocess.Popen(["./run_node.sh", *BARE[:-4], "--num-workers", "0", "--ckpt-every", "1000",
-                                 "--ckpt-dir", str(tmp_path / "ckpt")], cwd=default_project, env=environment,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launcher = start_job(default_project, tiny_run(max_steps=None, num_workers=0, ckpt_every=1000,
+                                                   ckpt_dir=tmp_path / "ckpt"),
+                         via="run_node.sh", **with_fault(tmp_path, RANK_0_SAVES_SLOWLY))
     for line in launcher.stdout:
         if " step 3 |" in line:
             break
@@ -344,20 +325,21 @@ def test_a_save_after_sigterm_that_takes_longer_than_30_s_completes(default_proj
 
 
 def test_resume_lists_changed_options_and_refuses_a_changed_model(default_project, tmp_path):
-    plain = ["python", "train.py", *BARE[:-4], "--num-workers", "0", "--ckpt-dir", str(tmp_path)]
-    assert run([*plain, "--max-steps", "2"], cwd=default_project).returncode == 0
-    changed = run([*plain, "--max-steps", "3", "--lr", "0.02", "--epochs", "3"], cwd=default_project)
+    def plain(**options: object) -> subprocess.CompletedProcess:
+        return run_job(default_project, tiny_run(num_workers=0, ckpt_dir=tmp_path, **options), via="python", nproc=1)
+    assert plain(max_steps=2).returncode == 0
+    changed = plain(max_steps=3, lr=0.02, epochs=3)
     assert changed.returncode == 0, changed.stderr
     [line] = [line for line in changed.stderr.splitlines() if "resuming with changed options" in line]
     assert "--lr 0.01 -> 0.02" in line and "--epochs 10 -> 3 (the LR schedule is re-planned" in line
     assert "max-steps" not in line  # raising the step limit is how every resume goes on
-    other_model = run([*plain, "--max-steps", "4", "--model", "resnet18"], cwd=default_project)
+    other_model = plain(max_steps=4, model="resnet18")
     assert other_model.returncode == 1
     assert other_model.stderr.strip().splitlines()[-1] == (
         f"error: {tmp_path / 'step-3.pt'} was trained with --model small_cnn, but this run asks for --model "
         "resnet18; resume with the same values, or start a new run with another --ckpt-dir")
     assert "UsageError" not in other_model.stderr and "Traceback" not in other_model.stderr
-    other_strategy = run([*plain, "--max-steps", "4", "--strategy", "fsdp2"], cwd=default_project)
+    other_strategy = plain(max_steps=4, strategy="fsdp2")
     assert other_strategy.returncode == 1
     assert f"error: --ckpt-dir {tmp_path} holds --strategy ddp checkpoints" in other_strategy.stderr
 
@@ -475,10 +457,8 @@ def test_loader_workers_stuck_in_a_sample_end_with_a_rank_the_watchdog_ends(defa
     project = with_task_code(default_project, tmp_path, "\nimport os\nfrom pathlib import Path\n" + STUCK_WORKERS)
     pids = tmp_path / "workers"
     pids.mkdir()
-    job = subprocess.Popen(["torchrun", "--standalone", "--nproc-per-node=1", "train.py", *RUN, "--max-steps",
-                            "1000", "--step-timeout", "3", "--eval-every", "0", "--ckpt-dir", str(tmp_path / "ckpt")],
-                           cwd=project, env=tool_env(WORKER_PIDS=str(pids), START_METHOD=start_method),
-                           stdout=(tmp_path / "log").open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    job = start_job(project, tiny_run(max_steps=1000, step_timeout=3, eval_every=0, ckpt_dir=tmp_path / "ckpt"),
+                    nproc=1, stdout=(tmp_path / "log").open("w"), WORKER_PIDS=str(pids), START_METHOD=start_method)
     wait_for(tmp_path / "ckpt" / "step-4.pt", job)  # a file, not a pipe: a worker left over would hold a pipe open
     (pids / "stuck").touch()
     job.wait(timeout=120)
@@ -513,10 +493,8 @@ def compute_loss(model, batch):
 
 def test_a_rank_stuck_holding_the_gil_is_ended_by_faulthandler(default_project, tmp_path):
     project = with_task_code(default_project, tmp_path, "\nimport os\nfrom pathlib import Path\n" + HOLDS_THE_GIL)
-    job = subprocess.Popen(["torchrun", "--standalone", "--nproc-per-node=1", "train.py", *RUN, "--num-workers", "0",
-                            "--max-steps", "1000", "--step-timeout", "2", "--eval-every", "0", "--ckpt-dir",
-                            str(tmp_path / "ckpt")], cwd=project, env=tool_env(HOLD_GIL=str(tmp_path / "hold")),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    job = start_job(project, tiny_run(num_workers=0, max_steps=1000, step_timeout=2, eval_every=0,
+                                      ckpt_dir=tmp_path / "ckpt"), nproc=1, HOLD_GIL=str(tmp_path / "hold"))
     wait_for(tmp_path / "ckpt" / "step-4.pt", job)
     (tmp_path / "hold").touch()
     try:

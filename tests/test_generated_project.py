@@ -7,9 +7,10 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers import assert_project_tests_pass, main_in_this_process, make_image_folder, run, start_nodes
+from helpers import assert_project_tests_pass, flags, main_in_this_process, make_image_folder, run, run_job, start_nodes
 
-TINY = ["--data", "fake", "--image-size", "16", "--batch-size", "16", "--num-workers", "0", "--device", "cpu"]
+# The default model (resnet18) and every default a user gets, on small fake images.
+TINY = flags(data="fake", image_size=16, batch_size=16, num_workers=0, device="cpu")
 
 # Each bad input and the one line that must explain it.
 BAD_OPTIONS = [
@@ -52,7 +53,7 @@ def test_bad_option_is_one_clear_line(default_project, baked_train, tmp_path, ar
     (tmp_path / "a-file").write_text("not a folder")
     args = [*TINY, "--ckpt-dir", str(tmp_path / "ckpt"), *(arg.format(tmp=tmp_path) for arg in args)]
     if args[-2] in FOUND_IN_TRAIN or args[-4] in FOUND_IN_TRAIN:
-        result = run(["python", "train.py", *args], cwd=default_project)
+        result = run_job(default_project, args, via="python", nproc=1)
     else:
         monkeypatch.chdir(default_project)
         result = main_in_this_process(baked_train, args, capsys)
@@ -61,8 +62,7 @@ def test_bad_option_is_one_clear_line(default_project, baked_train, tmp_path, ar
 
 @pytest.mark.slow
 def test_bad_option_under_torchrun_stops_every_rank_with_the_same_line(default_project, tmp_path):
-    result = run(["torchrun", "--standalone", "--nproc-per-node=2", "train.py", *TINY, "--model", "resnet19"],
-                 cwd=default_project)
+    result = run_job(default_project, [*TINY, "--model", "resnet19"])
     assert_one_error_line(result, "error: --model 'resnet19'")
     assert result.stderr.count("error: --model") == 1  # rank 0 reports it for the job (issue 12)
 
@@ -81,8 +81,8 @@ def test_broken_launch_environment_is_refused(baked_train, tmp_path, environment
 
 def test_plain_python_runs_one_process_and_ignores_old_local_rank_flag(default_project, tmp_path):
     # The deprecated launcher's --local_rank and underscore spellings are accepted; the environment wins.
-    result = run(["python", "train.py", *TINY, "--local_rank=1", "--max_steps", "3", "--log_every", "1",
-                  "--ckpt_dir", str(tmp_path)], cwd=default_project)
+    result = run_job(default_project, [*TINY, "--local_rank=1", "--max_steps", "3", "--log_every", "1", "--ckpt_dir",
+                                       str(tmp_path)], via="python", nproc=1)
     assert result.returncode == 0, result.stderr
     assert "--local-rank is ignored" in result.stderr
     assert "world_size=1 nodes=1 ranks_per_node=1 backend=gloo device=cpu" in result.stderr
@@ -93,8 +93,8 @@ def test_plain_python_runs_one_process_and_ignores_old_local_rank_flag(default_p
 def test_run_node_trains_an_epoch_and_evaluates_every_held_out_sample_once(default_project, tmp_path):
     # 260 fake samples: 130 per rank, 8 full batches of 16. The held-out set has 260 // 4 = 65 samples,
     # an odd number, so the two ranks' shards differ in size and a padded sampler would count one twice.
-    result = run(["./run_node.sh", *TINY, "--fake-samples", "260", "--epochs", "1", "--log-every", "4",
-                  "--ckpt-dir", str(tmp_path)], cwd=default_project, NPROC_PER_NODE="2")
+    result = run_job(default_project, [*TINY, *flags(fake_samples=260, epochs=1, log_every=4, ckpt_dir=tmp_path)],
+                     via="run_node.sh")
     assert result.returncode == 0, result.stderr
     assert "world_size=2 nodes=1 ranks_per_node=2" in result.stderr
     assert re.search(r"step 8 \| epoch 1 \| eval loss \d+\.\d+ \| accuracy \d\.\d+ on 65 held-out samples",
@@ -105,7 +105,7 @@ def test_run_node_trains_an_epoch_and_evaluates_every_held_out_sample_once(defau
 @pytest.mark.slow
 def test_two_nodes_with_the_same_command_form_one_job(default_project, tmp_path):
     # Two "machines" on loopback, each started with the identical run_node.sh command line and environment.
-    args = [*TINY, "--fake-samples", "256", "--max-steps", "6", "--log-every", "3", "--ckpt-dir", str(tmp_path)]
+    args = [*TINY, *flags(fake_samples=256, max_steps=6, log_every=3, ckpt_dir=tmp_path)]
     outputs = start_nodes(default_project, [args, args], rdzv_id="job-a")
     assert all("rdzv_endpoint=127.0.0.1:" in output and "rdzv_id=job-a" in output for output in outputs)
     assert "world_size=2 nodes=2 ranks_per_node=1" in "".join(outputs)
@@ -116,9 +116,9 @@ def test_two_nodes_with_the_same_command_form_one_job(default_project, tmp_path)
 @pytest.mark.slow
 def test_imagefolder_trains_on_a_users_folder(default_project, tmp_path):
     make_image_folder(tmp_path / "images", {"train": 4, "val": 3})
-    result = run(["python", "train.py", "--data", "imagefolder", "--data-dir", str(tmp_path / "images"),
-                  "--num-classes", "2", "--image-size", "16", "--batch-size", "4", "--epochs", "1",
-                  "--num-workers", "1", "--ckpt-dir", str(tmp_path / "ckpt")], cwd=default_project)
+    result = run_job(default_project, flags(data="imagefolder", data_dir=tmp_path / "images", num_classes=2,
+                                            image_size=16, batch_size=4, epochs=1, num_workers=1,
+                                            ckpt_dir=tmp_path / "ckpt"), via="python", nproc=1)
     assert result.returncode == 0, result.stderr
     assert "accuracy" in result.stderr and "on 6 held-out samples" in result.stderr
 
@@ -144,8 +144,7 @@ def test_run_node_refuses_a_launch_that_cannot_work(default_project, environment
 
 @pytest.mark.slow
 def test_preflight_passes_on_two_local_ranks(default_project):
-    result = run(["./run_node.sh", "--preflight", "--device", "cpu", "--megabytes", "4"], cwd=default_project,
-                 NPROC_PER_NODE="2")
+    result = run_job(default_project, ["--preflight", "--device", "cpu", "--megabytes", "4"], via="run_node.sh")
     assert result.returncode == 0, result.stdout + result.stderr
     for check in ("rank map", "devices", "all-reduce result", "all-reduce bandwidth", "training steps"):
         assert f"preflight PASS {check}: " in result.stdout, result.stdout
@@ -163,9 +162,8 @@ def test_a_failed_download_stops_every_rank_instead_of_hanging(default_project, 
     # Local rank 0 downloads while the others wait; its failure (here: the folder is under a file, so no
     # network is touched) must reach the waiting ranks, or they would sit in a collective until the timeout.
     (tmp_path / "a-file").write_text("not a folder")
-    result = run(["./run_node.sh", *TINY, "--data", "cifar10", "--data-dir", str(tmp_path / "a-file" / "cifar"),
-                  "--ckpt-dir", str(tmp_path / "ckpt")], cwd=default_project, NPROC_PER_NODE="2",
-                 MAX_RESTARTS="0", timeout=120)
+    result = run_job(default_project, [*TINY, *flags(data="cifar10", data_dir=tmp_path / "a-file" / "cifar",
+                                                     ckpt_dir=tmp_path / "ckpt")], via="run_node.sh", timeout=120)
     assert result.returncode != 0
     # The failing node's message reaches every rank, and rank 0 prints it once for the job (issue 12).
     assert result.stderr.count("error: downloading CIFAR-10") == 1, result.stderr

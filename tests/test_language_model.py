@@ -15,9 +15,11 @@ from helpers import (
     assert_bitwise_equal,
     assert_project_tests_pass,
     checkpoint,
+    flags,
     kill_a_worker_and_finish,
     run,
-    tool_env,
+    run_job,
+    start_job,
 )
 
 # torchrun jobs: `make test-fast` leaves these out. One xdist worker runs them all, so that the module's
@@ -27,9 +29,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("language_model")]
 BLOCK = 32
 TRAIN_BLOCKS, HELD_OUT_BLOCKS = 128, 20
 # 2 ranks x 4 blocks: 16 steps an epoch.
-TINY = ["--block-size", str(BLOCK), "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--device", "cpu",
-        "--num-workers", "0", "--lr", "1e-2", "--warmup-steps", "2", "--log-every", "4", "--ckpt-every", "4",
-        "--keep-checkpoints", "100"]
+TINY_LM = dict(block_size=BLOCK, n_layer=2, n_head=2, n_embd=32, device="cpu", num_workers=0, lr=1e-2,
+               warmup_steps=2, log_every=4, ckpt_every=4, keep_checkpoints=100)
 
 
 def corpus(blocks: int, seed: int) -> bytes:
@@ -54,13 +55,8 @@ def lm_project(bake) -> Path:
     return bake(task="language_model", project_name="LM Training")
 
 
-def torchrun_command(nproc: int, *args: str, max_restarts: int = 0) -> list[str]:
-    return ["torchrun", "--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", "train.py",
-            *TINY, *args]
-
-
-def launch(project: Path, nproc: int, *args: str) -> subprocess.CompletedProcess:
-    result = run(torchrun_command(nproc, *args), cwd=project)
+def launch(project: Path, nproc: int, **options: object) -> subprocess.CompletedProcess:
+    result = run_job(project, flags(**TINY_LM, **options), nproc=nproc)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
 
@@ -68,8 +64,7 @@ def launch(project: Path, nproc: int, *args: str) -> subprocess.CompletedProcess
 @pytest.fixture(scope="module")
 def uninterrupted(lm_project, text_dir, tmp_path_factory) -> tuple[Path, str]:
     ckpt_dir = tmp_path_factory.mktemp("lm-uninterrupted")
-    result = launch(lm_project, 2, "--data", "text", "--data-dir", str(text_dir), "--batch-size", "4",
-                    "--max-steps", "16", "--ckpt-dir", str(ckpt_dir))
+    result = launch(lm_project, 2, data="text", data_dir=text_dir, batch_size=4, max_steps=16, ckpt_dir=ckpt_dir)
     return ckpt_dir, result.stderr
 
 
@@ -89,10 +84,8 @@ def test_language_model_trains_on_a_text_file(uninterrupted):
 
 def test_language_model_resumes_bitwise_after_kill_9(lm_project, text_dir, uninterrupted, tmp_path):
     reference, _ = uninterrupted
-    command = torchrun_command(2, "--data", "text", "--data-dir", str(text_dir), "--batch-size", "4",
-                               "--max-steps", "16", "--ckpt-dir", str(tmp_path), max_restarts=1)
-    launcher = subprocess.Popen(command, cwd=lm_project, env=tool_env(), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    launcher = start_job(lm_project, flags(**TINY_LM, data="text", data_dir=text_dir, batch_size=4, max_steps=16,
+                                           ckpt_dir=tmp_path), max_restarts=1)
     kill_a_worker_and_finish(launcher, tmp_path / "step-8.pt")
     # Model, AdamW state, step and the global RNG: as uninterrupted.
     assert_bitwise_equal(checkpoint(tmp_path, 16), checkpoint(reference, 16))
@@ -104,12 +97,12 @@ def test_fsdp2_token_files_resume_on_another_world_size_and_export(bake, text_di
     tokens.mkdir()
     for split, name in (("train", "train.txt"), ("val", "val.txt")):  # nanoGPT's format: uint16 token ids
         np.frombuffer((text_dir / name).read_bytes(), dtype=np.uint8).astype(np.uint16).tofile(tokens / f"{split}.bin")
-    data = ["--data", "tokens", "--data-dir", str(tokens), "--vocab-size", "256",
-            "--sample-log", str(tmp_path / "samples"), "--ckpt-dir", str(tmp_path / "ckpt")]
-    first = launch(project, 2, *data, "--batch-size", "4", "--max-steps", "8")
+    data = dict(data="tokens", data_dir=tokens, vocab_size=256, sample_log=tmp_path / "samples",
+                ckpt_dir=tmp_path / "ckpt")
+    first = launch(project, 2, **data, batch_size=4, max_steps=8)
     assert re.search(r"fsdp2: 3 groups", first.stderr), first.stderr  # one per block (2), and the root
     # Half the epoch on 2 ranks of 4 blocks, the other half on 1 rank of 8: the same 8 blocks a step.
-    second = launch(project, 1, *data, "--batch-size", "8", "--max-steps", "16")
+    second = launch(project, 1, **data, batch_size=8, max_steps=16)
     assert f"resuming from {tmp_path / 'ckpt' / 'step-8'}" in second.stderr, second.stderr
     assert "on 640 held-out tokens" in second.stderr, second.stderr
     seen = [int(line) for log in (tmp_path / "samples").glob("rank-*.txt") for line in log.read_text().split()]

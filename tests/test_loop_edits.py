@@ -11,15 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import kill_a_worker_and_finish, run, tool_env
+from helpers import kill_a_worker_and_finish, run, run_job, start_job, tiny_run
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 pytestmark = pytest.mark.slow  # torchrun jobs: `make test-fast` leaves these out
 
 EDITS = ["An EMA of the weights", "A backbone trained with SGD", "A loss weight annealed with the step"]
-RUN = ["--model", "small_cnn", "--image-size", "16", "--fake-samples", "256", "--batch-size", "8",
-       "--num-workers", "0", "--device", "cpu", "--max-steps", "24", "--ckpt-every", "4", "--keep-checkpoints", "100",
-       "--log-every", "4"]
+RUN = dict(fake_samples=256, num_workers=0, max_steps=24, log_every=4)
 
 
 def readme_diff(project: Path, heading: str) -> str:
@@ -74,13 +72,11 @@ def edited_project(bake) -> Path:
 @pytest.mark.starts_first  # two launches with a kill, FSDP2's the slowest
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_loop_edits_resume_bitwise_after_kill_9(edited_project, strategy, tmp_path):
-    def command(ckpt_dir: Path) -> list[str]:
-        return ["torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=1", "train.py", *RUN,
-                "--strategy", strategy, "--ckpt-dir", str(ckpt_dir)]
-    uninterrupted = run(command(tmp_path / "uninterrupted"), cwd=edited_project)
+    def args(ckpt_dir: Path) -> list[str]:
+        return tiny_run(**RUN, strategy=strategy, ckpt_dir=ckpt_dir)
+    uninterrupted = run_job(edited_project, args(tmp_path / "uninterrupted"))
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-4000:]
-    killed = subprocess.Popen(command(tmp_path / "killed"), cwd=edited_project, env=tool_env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    killed = start_job(edited_project, args(tmp_path / "killed"), max_restarts=1)
     kill_a_worker_and_finish(killed, tmp_path / "killed" / ("step-8" if strategy == "fsdp2" else "step-8.pt"))
 
     expected, resumed = (checkpoint_state(tmp_path / name, 24, tmp_path) for name in ("uninterrupted", "killed"))

@@ -17,16 +17,17 @@ from helpers import (
     assert_bitwise_equal,
     bare_torchrun,
     checkpoint,
+    flags,
     paused,
     require,
+    start_job,
     tool_env,
     wait_for,
     worker_pids,
 )
 
 SUBNET = "10.213.77"  # private, used only inside the namespaces this module creates
-TINY = ["--data", "fake", "--fake-samples", "256", "--image-size", "16", "--batch-size", "16",
-        "--num-workers", "0", "--device", "cpu", "--log-every", "2"]
+TINY = flags(data="fake", fake_samples=256, image_size=16, batch_size=16, num_workers=0, device="cpu", log_every=2)
 
 pytestmark = [require(os.geteuid() == 0 and shutil.which("ip") is not None,
                       "needs root and iproute2 to create network namespaces"), pytest.mark.slow,
@@ -64,9 +65,9 @@ def hosts():
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
 
 
-def start_on_host(namespace: str, project: Path, args: list[str], **env: str) -> subprocess.Popen:
-    return subprocess.Popen(["ip", "netns", "exec", namespace, "./run_node.sh", *args], cwd=project,
-                            env=tool_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def start_on_host(namespace: str, project: Path, args: list[str], **launch: object) -> subprocess.Popen:
+    """./run_node.sh on the host that is this network namespace."""
+    return start_job(project, args, via="run_node.sh", prefix=("ip", "netns", "exec", namespace), **launch)
 
 
 def finish(nodes: list[subprocess.Popen], timeout: float = 300) -> list[str]:
@@ -83,7 +84,7 @@ def finish(nodes: list[subprocess.Popen], timeout: float = 300) -> list[str]:
 def test_two_hosts_train_as_one_job(default_project, hosts, tmp_path):
     endpoint = f"{hosts[0][1]}:29400"
     args = [*TINY, "--max-steps", "4", "--ckpt-every", "2", "--ckpt-dir", str(tmp_path)]
-    nodes = [start_on_host(namespace, default_project, args, NNODES="2", NPROC_PER_NODE="2",
+    nodes = [start_on_host(namespace, default_project, args, NNODES="2", nproc=2,
                            RDZV_ENDPOINT=endpoint, RDZV_ID="two-hosts") for namespace, _ in hosts]
     outputs = finish(nodes)
     assert [node.returncode for node in nodes] == [0, 0], outputs
@@ -96,7 +97,7 @@ def test_two_hosts_train_as_one_job(default_project, hosts, tmp_path):
 def test_a_node_that_never_arrives_is_a_clear_timeout(default_project, hosts, tmp_path):
     namespace, address = hosts[0]
     [output] = finish([start_on_host(namespace, default_project, [*TINY, "--ckpt-dir", str(tmp_path)],
-                                     NNODES="2", NPROC_PER_NODE="1", RDZV_ENDPOINT=f"{address}:29401",
+                                     NNODES="2", nproc=1, RDZV_ENDPOINT=f"{address}:29401",
                                      RDZV_ID="alone", RDZV_TIMEOUT="8")], timeout=120)
     assert "RendezvousTimeoutError" in output, output
     assert not list(tmp_path.glob("step-*.pt"))
@@ -110,7 +111,7 @@ def test_a_taken_port_on_the_endpoint_is_a_clear_error(default_project, hosts):
          "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     try:
         assert squatter.stdout.readline().strip() == "listening"
-        [output] = finish([start_on_host(namespace, default_project, TINY, NNODES="2", NPROC_PER_NODE="1",
+        [output] = finish([start_on_host(namespace, default_project, TINY, NNODES="2", nproc=1,
                                          RDZV_ENDPOINT=f"{address}:29404", RDZV_ID="late")], timeout=60)
     finally:
         squatter.kill()
@@ -121,7 +122,7 @@ def test_a_taken_port_on_the_endpoint_is_a_clear_error(default_project, hosts):
 def test_another_rdzv_id_on_the_same_endpoint_does_not_join(default_project, hosts, tmp_path):
     endpoint = f"{hosts[0][1]}:29402"
     nodes = [start_on_host(namespace, default_project, [*TINY, "--ckpt-dir", str(tmp_path / rdzv_id)],
-                           NNODES="2", NPROC_PER_NODE="1", RDZV_ENDPOINT=endpoint, RDZV_ID=rdzv_id,
+                           NNODES="2", nproc=1, RDZV_ENDPOINT=endpoint, RDZV_ID=rdzv_id,
                            RDZV_TIMEOUT="8")
              for (namespace, _), rdzv_id in zip(hosts, ("job-a", "job-b"), strict=True)]
     outputs = finish(nodes, timeout=120)
@@ -136,7 +137,7 @@ def test_another_rdzv_id_on_the_same_endpoint_does_not_join(default_project, hos
 def test_preflight_passes_across_two_hosts(default_project, hosts):
     endpoint = f"{hosts[0][1]}:29403"
     nodes = [start_on_host(namespace, default_project, ["--preflight", "--device", "cpu", "--megabytes", "8"],
-                           NNODES="2", NPROC_PER_NODE="2", RDZV_ENDPOINT=endpoint, RDZV_ID="preflight")
+                           NNODES="2", nproc=2, RDZV_ENDPOINT=endpoint, RDZV_ID="preflight")
              for namespace, _ in hosts]
     outputs = finish(nodes)
     assert [node.returncode for node in nodes] == [0, 0], outputs
@@ -151,7 +152,7 @@ def test_an_elastic_range_admits_both_hosts(default_project, hosts, tmp_path):
     # NNODES=1:2: the job could start with one host; the second, arriving within torchrun's last-call
     # window (30 s), is admitted into the same job.
     args = [*TINY, "--max-steps", "2", "--ckpt-dir", str(tmp_path)]
-    nodes = [start_on_host(namespace, default_project, args, NNODES="1:2", NPROC_PER_NODE="1",
+    nodes = [start_on_host(namespace, default_project, args, NNODES="1:2", nproc=1,
                            RDZV_ENDPOINT=f"{hosts[0][1]}:29405", RDZV_ID="elastic") for namespace, _ in hosts]
     outputs = finish(nodes)
     assert [node.returncode for node in nodes] == [0, 0], outputs
@@ -183,10 +184,10 @@ def test_bare_c10d_torchrun_on_two_hosts_recovers_from_kill_9_bitwise(
         default_project, named_hosts, uninterrupted_bare, tmp_path):
     # The card's command on each machine, nothing exported: before the fresh store per attempt, restarted
     # workers met the dead group's keys in torchrun's shared store.
-    rendezvous = ("--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29406",
+    rendezvous = ("--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29406",
                   "--rdzv-id=bare-two-hosts")
-    nodes = [bare_torchrun(default_project, tmp_path, max_restarts=1, rendezvous=rendezvous,
-                           on_host=on_named_host(namespace, hostname))
+    nodes = [bare_torchrun(default_project, tmp_path, nproc=1, max_restarts=1, rendezvous=rendezvous,
+                           prefix=on_named_host(namespace, hostname))
              for namespace, hostname in named_hosts]
     wait_for(tmp_path / "step-8.pt", nodes[0])
     with paused(*nodes):
@@ -222,10 +223,10 @@ def debian_hosts(hosts):
 def test_bare_c10d_torchrun_trains_on_hosts_that_map_their_name_to_127_0_1_1(default_project, debian_hosts, tmp_path):
     # gloo itself needs the interface there (it would take the hostname's 127.0.1.1), so the user exports it;
     # the job must then publish the endpoint machine's name, not the loopback address its route finds.
-    rendezvous = ("--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29407",
+    rendezvous = ("--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29407",
                   "--rdzv-id=debian-hosts")
-    nodes = [bare_torchrun(default_project, tmp_path, "--max-steps", "4", rendezvous=rendezvous,
-                           on_host=on_named_host(namespace, hostname), GLOO_SOCKET_IFNAME=interface)
+    nodes = [bare_torchrun(default_project, tmp_path, "--max-steps", "4", nproc=1, rendezvous=rendezvous,
+                           prefix=on_named_host(namespace, hostname), GLOO_SOCKET_IFNAME=interface)
              for namespace, hostname, interface in debian_hosts]
     outputs = finish(nodes, timeout=100)
     assert [node.returncode for node in nodes] == [0, 0], outputs
@@ -234,10 +235,8 @@ def test_bare_c10d_torchrun_trains_on_hosts_that_map_their_name_to_127_0_1_1(def
 
 def test_run_node_on_hosts_that_map_their_name_to_127_0_1_1(default_project, debian_hosts, hosts, tmp_path):
     args = [*TINY, "--max-steps", "2", "--ckpt-dir", str(tmp_path)]
-    nodes = [subprocess.Popen([*on_named_host(namespace, hostname), "./run_node.sh", *args], cwd=default_project,
-                              env=tool_env(NNODES="2", NPROC_PER_NODE="1", RDZV_ENDPOINT="node0:29408",
-                                           RDZV_ID="debian-run-node"),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    nodes = [start_job(default_project, args, via="run_node.sh", nproc=1, prefix=on_named_host(namespace, hostname),
+                       NNODES="2", RDZV_ENDPOINT="node0:29408", RDZV_ID="debian-run-node")
              for namespace, hostname, _ in debian_hosts]
     outputs = finish(nodes, timeout=100)
     assert [node.returncode for node in nodes] == [0, 0], outputs

@@ -7,12 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import checkpoint, run, with_task_code
+from helpers import checkpoint, run_job, tiny_run, with_task_code
 
 pytestmark = pytest.mark.slow  # torchrun jobs: `make test-fast` leaves these out
-
-TINY = ["--data", "fake", "--fake-samples", "256", "--image-size", "16", "--batch-size", "8", "--num-workers", "0",
-        "--device", "cpu", "--max-steps", "6", "--ckpt-every", "3", "--keep-checkpoints", "10", "--eval-every", "0"]
 
 # A model whose forward returns a plain dataclass, as hand-written models and older Hugging Face-style code do.
 # DDP cannot look into it (it is no registered pytree node): with static_graph=True, DDP then never all-reduces
@@ -71,18 +68,19 @@ def nudged_cnn(options, train_set):
 '''
 
 
-def torchrun(project: Path, ckpt_dir: Path, *args: str):
-    return run(["torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=0", "train.py", *TINY,
-                "--ckpt-dir", str(ckpt_dir), *args], cwd=project)
+def torchrun(project: Path, ckpt_dir: Path, model: str):
+    """2 ranks, 6 steps on 256 fake samples, a checkpoint every 3 steps, no evaluation."""
+    return run_job(project, tiny_run(model=model, fake_samples=256, num_workers=0, max_steps=6, ckpt_every=3,
+                                     eval_every=0, ckpt_dir=ckpt_dir))
 
 
 def test_a_model_returning_a_dataclass_trains_one_model_on_every_rank(default_project, tmp_path):
     project = with_task_code(default_project, tmp_path, DATACLASS_OUTPUT)
-    result = torchrun(project, tmp_path / "ckpt", "--model", "dataclass_cnn")
+    result = torchrun(project, tmp_path / "ckpt", "dataclass_cnn")
     assert result.returncode == 0, result.stderr[-4000:]
     assert "step 1: every rank holds the same parameters" in result.stderr, result.stderr[-4000:]
     # The same samples through a tensor-returning copy of the model: the same weights, so gradients were synced.
-    reference = torchrun(default_project, tmp_path / "reference", "--model", "small_cnn")
+    reference = torchrun(default_project, tmp_path / "reference", "small_cnn")
     assert reference.returncode == 0, reference.stderr[-4000:]
     trained, expected = checkpoint(tmp_path / "ckpt", 6)["model"], checkpoint(tmp_path / "reference", 6)["model"]
     assert [name.removeprefix("inner.") for name in trained] == list(expected)
@@ -92,7 +90,7 @@ def test_a_model_returning_a_dataclass_trains_one_model_on_every_rank(default_pr
 
 def test_ranks_that_hold_different_models_stop_the_job_with_one_line(default_project, tmp_path):
     project = with_task_code(default_project, tmp_path, RANK_DEPENDENT)
-    result = torchrun(project, tmp_path / "ckpt", "--model", "nudged_cnn")
+    result = torchrun(project, tmp_path / "ckpt", "nudged_cnn")
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [

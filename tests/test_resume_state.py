@@ -9,12 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import BARE, assert_bitwise_equal, checkpoint, run, with_task_code
+from helpers import assert_bitwise_equal, checkpoint, run_job, tiny_run, with_task_code
 
 pytestmark = pytest.mark.slow  # torchrun jobs: `make test-fast` leaves these out
 
-RUN = [*BARE[:-4], "--num-workers", "0"]  # the reference settings without loader workers and step limit
-assert BARE[-4:-2] == ["--num-workers", "2"] and BARE[-2] == "--max-steps"
 
 # Ranks whose CPU generators drift apart, as with per-rank variable lengths: rank r draws r + 1 numbers per
 # step before a CPU dropout, so the masks differ by rank, and a resume must give each rank its own state back.
@@ -41,18 +39,22 @@ def per_rank_draws(options, train_set):
 '''
 
 
-def torchrun(project: Path, ckpt_dir: Path, *args: str):
-    result = run(["torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=0", "train.py", *RUN,
-                  "--ckpt-dir", str(ckpt_dir), *args], cwd=project)
+def torchrun(project: Path, ckpt_dir: Path, **options: object):
+    """2 ranks with the session reference's settings (no loader workers), which must succeed."""
+    result = torchrun_may_fail(project, ckpt_dir, **options)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
 
 
+def torchrun_may_fail(project: Path, ckpt_dir: Path, **options: object):
+    return run_job(project, tiny_run(num_workers=0, ckpt_dir=ckpt_dir, **options))
+
+
 def test_each_rank_resumes_its_own_cpu_random_state(default_project, tmp_path):
     project = with_task_code(default_project, tmp_path, PER_RANK_DRAWS)
-    torchrun(project, tmp_path / "uninterrupted", "--model", "per_rank_draws", "--max-steps", "8")
-    torchrun(project, tmp_path / "resumed", "--model", "per_rank_draws", "--max-steps", "4")
-    torchrun(project, tmp_path / "resumed", "--model", "per_rank_draws", "--max-steps", "8")
+    torchrun(project, tmp_path / "uninterrupted", model="per_rank_draws", max_steps=8)
+    torchrun(project, tmp_path / "resumed", model="per_rank_draws", max_steps=4)
+    torchrun(project, tmp_path / "resumed", model="per_rank_draws", max_steps=8)
     resumed, uninterrupted = checkpoint(tmp_path / "resumed", 8), checkpoint(tmp_path / "uninterrupted", 8)
     assert_bitwise_equal(resumed, uninterrupted)
     rank_states = [torch.tensor(state, dtype=torch.uint8) for state in uninterrupted["cpu_rng_states"]]
@@ -65,11 +67,6 @@ def edited(project: Path, relative: str, old: str, new: str) -> None:
     text = path.read_text()
     assert old in text, f"{relative} no longer holds {old!r}"
     path.write_text(text.replace(old, new, 1))
-
-
-def torchrun_may_fail(project: Path, ckpt_dir: Path, *args: str):
-    return run(["torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=0", "train.py", *RUN,
-                "--ckpt-dir", str(ckpt_dir), *args], cwd=project)
 
 
 def error_lines(result) -> list[str]:
@@ -89,7 +86,7 @@ def test_a_checkpoint_that_loads_but_does_not_match_the_code_stops_the_job(defau
     project = shutil.copytree(default_project, tmp_path / "project")
     # A loop edit: the optimizer registered under another name, as a user with two of them would.
     edited(project, "train.py", "model=model, optimizer=optimizer,", "model=model, backbone_optimizer=optimizer,")
-    result = torchrun_may_fail(project, ckpt_dir, "--max-steps", "8")
+    result = torchrun_may_fail(project, ckpt_dir, max_steps=8)
     assert result.returncode != 0
     assert error_lines(result) == [
         f"error: {ckpt_dir / 'step-4.pt'} does not hold what this code saves: this code saves backbone_optimizer, "
@@ -122,11 +119,11 @@ def test_new_state_starts_fresh_on_request_and_retention_keeps_what_was_just_wri
     edited(project, "train.py", "            progress.advance(", "            step_counter.count += 1\n"
                                                                   "            progress.advance(")
 
-    refused = torchrun_may_fail(project, ckpt_dir, "--max-steps", "8")
+    refused = torchrun_may_fail(project, ckpt_dir, max_steps=8)
     assert refused.returncode != 0 and "this code saves step_counter, which it lacks" in refused.stderr, \
         refused.stderr[-3000:]
     assert f"skipping unreadable checkpoint {ckpt_dir / 'step-12.pt'}" in refused.stderr
-    result = torchrun(project, ckpt_dir, "--max-steps", "8", "--keep-checkpoints", "1", "--resume-changed-state")
+    result = torchrun(project, ckpt_dir, max_steps=8, keep_checkpoints=1, resume_changed_state=True)
     assert "--resume-changed-state: this code saves step_counter, which it lacks" in result.stderr
     assert f"resuming from {ckpt_dir / 'step-4.pt'} (step 4" in result.stderr
     assert sorted(path.name for path in ckpt_dir.iterdir()) == ["step-12.pt.unreadable", "step-8.pt"]
@@ -135,14 +132,14 @@ def test_new_state_starts_fresh_on_request_and_retention_keeps_what_was_just_wri
     assert state["entries"] == ["grad_scaler", "lr_schedule", "model", "optimizer", "step_counter"]
     # The next restart restores it like any other entry, without the flag.
     edited(project, "train.py", *reversed(STEP_COUNTER))
-    torchrun(project, ckpt_dir, "--max-steps", "10")
+    torchrun(project, ckpt_dir, max_steps=10)
     assert int(checkpoint(ckpt_dir, 10)["step_counter"]["count"]) == 6
 
 
 def test_a_resume_with_another_lr_schedules_the_new_one(default_project, uninterrupted_bare, tmp_path):
     # The session's reference run (--lr 0.01) at step 4, resumed with --lr 0.02: the same schedule, twice as high.
     shutil.copy(uninterrupted_bare / "step-4.pt", tmp_path)
-    result = torchrun(default_project, tmp_path, "--max-steps", "8", "--lr", "0.02")
+    result = torchrun(default_project, tmp_path, max_steps=8, lr=0.02)
     assert "--lr 0.01 -> 0.02" in result.stderr
     reference = checkpoint(uninterrupted_bare, 8)["optimizer"]["param_groups"][0]["lr"]
     changed = checkpoint(tmp_path, 8)["optimizer"]["param_groups"][0]["lr"]
@@ -155,7 +152,7 @@ def test_state_that_weights_only_loading_refuses_is_not_saved_and_stops_the_job(
     edited(project, "train.py", "model=model, optimizer=optimizer,", "model=model, optimizer=optimizer, "
            "best=type('Best', (), {'state_dict': lambda self: {'loss': __import__('numpy').float64(1.0)}, "
            "'load_state_dict': lambda self, state: None})(),")
-    result = torchrun_may_fail(project, tmp_path / "ckpt", "--max-steps", "4")
+    result = torchrun_may_fail(project, tmp_path / "ckpt", max_steps=4)
     assert result.returncode != 0
     assert error_lines(result) == [
         "error: a checkpoint state_dict() holds numpy._core.multiarray.scalar, numpy.dtype, which "

@@ -10,7 +10,6 @@ import os
 import random
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,9 +17,12 @@ from helpers import (
     assert_bitwise_equal,
     assert_project_tests_pass,
     checkpoint,
+    flags,
     kill_a_worker_and_finish,
     run,
-    tool_env,
+    run_job,
+    start_job,
+    tiny_run,
     with_task_code,
 )
 
@@ -78,9 +80,7 @@ def test_a_bug_in_evaluation_shows_before_the_first_step(default_project, tmp_pa
     project = shutil.copytree(default_project, tmp_path / "project")
     task = project / "ddp_training" / "task.py"
     task.write_text(task.read_text().replace('sums["correct"]', 'sums["corect"]'))  # a typo a user might make
-    result = run(["torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=0", "train.py",
-                  "--model", "small_cnn", "--image-size", "16", "--num-workers", "0", "--ckpt-dir", str(tmp_path)],
-                 cwd=project)
+    result = run_job(project, tiny_run(num_workers=0, ckpt_dir=tmp_path))
     assert result.returncode != 0
     assert "KeyError: 'corect'" in result.stderr, result.stderr[-3000:]
     assert "| loss " not in result.stderr, "no training step before the evaluation path has run once"
@@ -92,9 +92,8 @@ def test_a_usage_error_is_printed_once_per_job_and_its_retries_are_silent(defaul
     # job must not depend on ending its launcher. Each of the 4 attempts fails (exit 1, not 137: a killed job
     # would be requeued), and only the first says why, once, also to the file train.sbatch reads.
     as_pid_1 = ("unshare", "--pid", "--fork", "--mount-proc") if os.geteuid() == 0 else ()
-    result = run([*as_pid_1, "torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=3", "train.py",
-                  "--model", "nope", "--ckpt-dir", str(tmp_path)], cwd=default_project,
-                 STOP_REQUEUE_FILE=str(tmp_path / "stop-requeue"))
+    result = run_job(default_project, ["--model", "nope", "--ckpt-dir", str(tmp_path)], max_restarts=3,
+                     prefix=as_pid_1, STOP_REQUEUE_FILE=str(tmp_path / "stop-requeue"))
     output = result.stdout + result.stderr
     assert result.returncode == 1, output
     ours = [line for line in output.splitlines() if line.startswith("error: ")]
@@ -133,10 +132,8 @@ def summarize(sums, outputs):
 @pytest.mark.slow
 def test_evaluation_sums_any_shape_and_a_collective_in_it_does_not_hang(default_project, tmp_path):
     project = with_task_code(default_project, tmp_path, CONFUSION_AND_COLLECTIVE)
-    result = run(["torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=0", "train.py", "--model",
-                  "small_cnn", "--fake-samples", "516", "--image-size", "16", "--batch-size", "8", "--num-workers",
-                  "0", "--device", "cpu", "--max-steps", "4", "--io-timeout", "60", "--ckpt-dir", str(tmp_path / "c")],
-                 cwd=project, timeout=240)
+    result = run_job(project, tiny_run(fake_samples=516, num_workers=0, max_steps=4, io_timeout=60,
+                                       ckpt_dir=tmp_path / "c"), timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     [line] = [line for line in result.stderr.splitlines() if "eval loss" in line]
     metrics = dict(re.findall(r"(\w+) ([\d.]+)", line.split("eval ", 1)[1]))
@@ -148,13 +145,11 @@ def trains_resumes_bitwise_after_kill_9_and_passes_its_tests(project: Path, tmp_
     """2 ranks to the end (metrics in tmp_path/logs), and again with a worker killed (kill -9) after the first
     checkpoint: torchrun restarts the group, and the last checkpoints agree bit for bit. Then the project's own
     smoke tests."""
-    def command(ckpt_dir: Path) -> list[str]:
-        return ["torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=1", "train.py", *args,
-                "--ckpt-every", "4", "--keep-checkpoints", "100", "--ckpt-dir", str(ckpt_dir)]
-    uninterrupted = run([*command(tmp_path / "uninterrupted"), "--log-dir", str(tmp_path / "logs")], cwd=project)
+    def run_args(ckpt_dir: Path) -> list[str]:
+        return [*args, *flags(ckpt_every=4, keep_checkpoints=100, ckpt_dir=ckpt_dir)]
+    uninterrupted = run_job(project, [*run_args(tmp_path / "uninterrupted"), "--log-dir", str(tmp_path / "logs")])
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-4000:]
-    killed = subprocess.Popen(command(tmp_path / "killed"), cwd=project, env=tool_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    killed = start_job(project, run_args(tmp_path / "killed"), max_restarts=1)
     kill_a_worker_and_finish(killed, tmp_path / "killed" / "step-4.pt")
     final = max(int(path.stem.split("-")[1]) for path in (tmp_path / "uninterrupted").glob("step-*.pt"))
     resumed, expected = checkpoint(tmp_path / "killed", final), checkpoint(tmp_path / "uninterrupted", final)
@@ -178,8 +173,8 @@ def apply_readme_example(project: Path, tmp_path: Path, section: str) -> None:
 def test_readme_dict_batch_example_trains_resumes_and_counts_words(bake, tmp_path):
     project = bake(project_name="Word Tags")
     apply_readme_example(project, tmp_path, "### Dict batches of many lengths")
-    args = ["--data", "tagged", "--model", "tagger", "--num-classes", "4", "--fake-samples", "512", "--batch-size",
-            "16", "--num-workers", "0", "--device", "cpu", "--lr", "0.5", "--log-every", "8", "--max-steps", "24"]
+    args = flags(data="tagged", model="tagger", num_classes=4, fake_samples=512, batch_size=16, num_workers=0,
+                 device="cpu", lr=0.5, log_every=8, max_steps=24)
     trains_resumes_bitwise_after_kill_9_and_passes_its_tests(project, tmp_path, args)
     rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     evaluation = [row for row in rows if row["kind"] == "eval"][0]  # after epoch 0
@@ -208,13 +203,13 @@ def test_readme_whole_set_metric_example_gathers_every_row_once(bake, tmp_path):
     task = project / "auc_check" / "task.py"
     task.write_text(task.read_text() + EVERY_ROW_ONCE)
     # 129 held-out samples on 2 ranks: 9 batches of 8 against 8 (the short rank repeats one, uncounted).
-    args = ["--model", "small_cnn", "--num-classes", "2", "--fake-samples", "516", "--image-size", "16",
-            "--batch-size", "8", "--num-workers", "0", "--device", "cpu", "--max-steps", "40"]
+    args = tiny_run(num_classes=2, fake_samples=516, num_workers=0, log_every=None, ckpt_every=None,
+                    keep_checkpoints=None)
     trains_resumes_bitwise_after_kill_9_and_passes_its_tests(project, tmp_path, args)
-    result = run(["python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py", *args,
-                  "--ckpt-dir", str(tmp_path / "uninterrupted")], cwd=project)  # resumes at the end: evaluates
-    auc = [float(value) for value in re.findall(r"\| auc ([\d.]+) on 129 held-out samples", result.stderr)]
-    assert auc and all(0.5 < value <= 1 for value in auc), result.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    evaluations = [row for row in rows if row["kind"] == "eval"]  # after epoch 0 and at the end
+    assert len(evaluations) == 2 and all(row["samples"] == 129 and 0.5 < row["auc"] <= 1 for row in evaluations), \
+        evaluations
 
 
 # A bug in task code that shows on the same batch every time (here: in collate, inside a DataLoader worker).
@@ -235,10 +230,8 @@ def collate(samples):
 def test_a_bug_in_task_code_is_reported_once_per_job_and_not_retrained(default_project, tmp_path):
     project = with_task_code(default_project, tmp_path, COLLATE_BUG)
     stop_requeue = tmp_path / "slurm-1.bug"
-    result = run(["torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=3", "train.py", "--model",
-                  "small_cnn", "--image-size", "16", "--batch-size", "8", "--num-workers", "1", "--max-steps", "100",
-                  "--device", "cpu", "--ckpt-dir", str(tmp_path / "ckpt")], cwd=project,
-                 STOP_REQUEUE_FILE=str(stop_requeue))
+    result = run_job(project, tiny_run(num_workers=1, max_steps=100, ckpt_dir=tmp_path / "ckpt"), max_restarts=3,
+                     STOP_REQUEUE_FILE=str(stop_requeue))
     assert result.returncode != 0
     output = result.stdout + result.stderr
     ours = output.split("train.py FAILED")[0]  # torchrun's own summary follows
@@ -258,8 +251,6 @@ def test_a_transient_exception_is_retried(default_project, tmp_path):
     project = with_task_code(default_project, tmp_path, COLLATE_BUG.replace(
         "int(labels.sum()) % 7 == 3", f"int(labels.sum()) % 7 == 3 and not Path({str(once)!r}).exists()"
         f" and Path({str(once)!r}).touch() is None"))
-    result = run(["torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=3", "train.py", "--model",
-                  "small_cnn", "--image-size", "16", "--batch-size", "8", "--num-workers", "0", "--max-steps", "40",
-                  "--device", "cpu", "--ckpt-dir", str(tmp_path / "ckpt")], cwd=project)
+    result = run_job(project, tiny_run(num_workers=0, ckpt_dir=tmp_path / "ckpt"), max_restarts=3)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "restart=1" in result.stderr and "a bug, not a fault" not in result.stderr

@@ -15,18 +15,17 @@ import termios
 from pathlib import Path
 
 import pytest
-from helpers import assert_trains_like_bare, checkpoint, run, tool_env
+from helpers import assert_trains_like_bare, checkpoint, run, run_job, tiny_run, tool_env
 
 pytestmark = pytest.mark.slow  # torchrun jobs: `make test-fast` leaves these out
 
 # small_cnn has no batch statistics and no dropout, so accumulated micro-batches must match a larger batch.
 # 512 samples over 2 ranks of 16 per step: 16 optimizer steps an epoch.
-SMALL = ["--data", "fake", "--model", "small_cnn", "--fake-samples", "512", "--image-size", "16",
-         "--num-workers", "0", "--device", "cpu", "--log-every", "2"]
+SMALL = dict(num_workers=0, log_every=2)
 
 
-def torchrun(project: Path, nproc: int, *args: str) -> subprocess.CompletedProcess:
-    result = run(["torchrun", "--standalone", f"--nproc-per-node={nproc}", "train.py", *SMALL, *args], cwd=project)
+def torchrun(project: Path, nproc: int, **options: object) -> subprocess.CompletedProcess:
+    result = run_job(project, tiny_run(**{**SMALL, **options}), nproc=nproc)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
 
@@ -45,7 +44,7 @@ def batch_16_run(default_project, tmp_path_factory) -> Path:
     """6 plain steps of 16 samples per rank: what accumulated micro-batches must equal, and what a compiled
     model is compared with. The tests that use it are one xdist group, so it runs once."""
     ckpt_dir = tmp_path_factory.mktemp("batch-16")
-    torchrun(default_project, 2, "--batch-size", "16", "--max-steps", "6", "--ckpt-dir", str(ckpt_dir))
+    torchrun(default_project, 2, batch_size=16, max_steps=6, ckpt_dir=ckpt_dir)
     return ckpt_dir
 
 
@@ -54,13 +53,12 @@ def test_accumulated_micro_batches_equal_one_larger_batch(default_project, batch
                                                           tmp_path):
     """2 micro-batches of 8 per rank (all-reduce on the second only) against 1 batch of 16, same samples."""
     accumulated = tmp_path / "accumulated"
-    torchrun(default_project, 2, "--batch-size", "8", "--grad-accum", "2", "--max-steps", "6",
-             "--ckpt-dir", str(accumulated))
+    torchrun(default_project, 2, grad_accum=2, max_steps=6, ckpt_dir=accumulated)
     expected = checkpoint(batch_16_run, 6)["model"]
     assert max_difference(checkpoint(accumulated, 6)["model"], expected) < 1e-6
     # The same samples as 12 plain steps of 8, a different training run, which the comparison must tell apart:
     # the session's reference run is one (SMALL's settings with batch 8; loader workers and logging aside).
-    assert_trains_like_bare(SMALL)
+    assert_trains_like_bare(tiny_run(**SMALL))
     assert max_difference(checkpoint(uninterrupted_bare, 12)["model"], expected) > 1e-3
 
 
@@ -68,9 +66,8 @@ def test_accumulated_micro_batches_equal_one_larger_batch(default_project, batch
 def test_mixed_precision_with_accumulation_and_clipping_learns_and_records_metrics(default_project, tmp_path,
                                                                                   precision):
     ckpt_dir, log_dir = tmp_path / "checkpoints", tmp_path / "logs"
-    result = torchrun(default_project, 2, "--precision", precision, "--grad-accum", "2", "--clip-grad", "1.0",
-                      "--batch-size", "8", "--lr", "0.05", "--epochs", "2", "--warmup-steps", "2",
-                      "--ckpt-dir", str(ckpt_dir), "--log-dir", str(log_dir))
+    result = torchrun(default_project, 2, precision=precision, grad_accum=2, clip_grad=1.0, lr=0.05, epochs=2,
+                      max_steps=None, warmup_steps=2, ckpt_dir=ckpt_dir, log_dir=log_dir)
     assert "samples/s" in result.stderr and "data wait" in result.stderr
 
     rows = metric_rows(log_dir)
@@ -110,13 +107,13 @@ def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
 @pytest.mark.xdist_group("batch_16_run")
 def test_compiled_model_trains_like_the_eager_one(default_project, batch_16_run, tmp_path):
     compiled = tmp_path / "compiled"
-    torchrun(default_project, 2, "--compile", "--batch-size", "16", "--max-steps", "6", "--ckpt-dir", str(compiled))
+    torchrun(default_project, 2, compile=True, batch_size=16, max_steps=6, ckpt_dir=compiled)
     # Compiled kernels may fuse and reorder float operations: close, not bitwise.
     assert max_difference(checkpoint(compiled, 6)["model"], checkpoint(batch_16_run, 6)["model"]) < 1e-4
 
 
 def test_progress_bar_on_a_terminal_and_plain_lines_otherwise(default_project, tmp_path):
-    args = [sys.executable, "train.py", *SMALL, "--batch-size", "16", "--max-steps", "4"]
+    args = [sys.executable, "train.py", *tiny_run(**SMALL, batch_size=16, max_steps=4)]
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))  # 30 rows, 100 columns
     terminal = [*args, "--ckpt-dir", str(tmp_path / "terminal")]
