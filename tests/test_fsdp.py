@@ -4,6 +4,7 @@ one plain .pt file."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -12,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_trains_like_bare, checkpoint, paused, run, tool_env, wait_for
+from helpers import assert_trains_like_bare, checkpoint, paused, run, run_job, start_job, tiny_run, wait_for
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 # torchrun jobs: `make test-fast` leaves these out. One xdist worker runs them all, so that the module's
@@ -21,9 +23,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("fsdp2")]
 
 # small_cnn: no batch statistics, so 1 rank x 16 samples and 2 ranks x 8 compute the same update.
 # 512 samples over 2 ranks of 8: 32 steps an epoch. What these runs train is what the session's DDP reference
-# run (helpers.BARE) trains.
-RUN = ["--data", "fake", "--model", "small_cnn", "--fake-samples", "512", "--image-size", "16", "--device", "cpu",
-       "--num-workers", "0", "--ckpt-every", "4", "--keep-checkpoints", "100", "--log-every", "4"]
+# run (helpers.TINY_RUN) trains.
+RUN = dict(num_workers=0, log_every=4)
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +32,8 @@ def fsdp_project(bake) -> Path:
     return bake(strategy="fsdp2")
 
 
-def launch(project: Path, nproc: int, *args: str) -> subprocess.CompletedProcess:
-    result = run(["./run_node.sh", *RUN, *args], cwd=project, NPROC_PER_NODE=str(nproc), MAX_RESTARTS="0")
+def launch(project: Path, nproc: int, **options: object) -> subprocess.CompletedProcess:
+    result = run_job(project, tiny_run(**{**RUN, **options}), via="run_node.sh", nproc=nproc)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
 
@@ -59,7 +60,7 @@ def tensors(state: dict, prefix: str = "") -> dict[str, torch.Tensor]:
 def uninterrupted(fsdp_project, tmp_path_factory) -> Path:
     """Sharded checkpoints every 4 steps of an undisturbed 2-rank run to step 12: the reference."""
     ckpt_dir = tmp_path_factory.mktemp("fsdp-uninterrupted")
-    launch(fsdp_project, 2, "--batch-size", "8", "--max-steps", "12", "--ckpt-dir", str(ckpt_dir))
+    launch(fsdp_project, 2, max_steps=12, ckpt_dir=ckpt_dir)
     return ckpt_dir
 
 
@@ -74,7 +75,7 @@ def test_sharded_checkpoints_are_complete_step_folders(fsdp_project, uninterrupt
 
 def test_fsdp2_trains_what_ddp_trains_and_exports_one_plain_file(fsdp_project, uninterrupted, uninterrupted_bare,
                                                                  tmp_path):
-    assert_trains_like_bare(RUN)  # the session's DDP run is this module's settings, to step 40
+    assert_trains_like_bare(tiny_run(**RUN))  # the session's DDP run is this module's settings, to step 40
     ddp_model = checkpoint(uninterrupted_bare, 12)["model"]
 
     exported = tmp_path / "exported" / "model.pt"
@@ -86,13 +87,19 @@ def test_fsdp2_trains_what_ddp_trains_and_exports_one_plain_file(fsdp_project, u
     # Sharded all-gather/reduce-scatter against DDP's all-reduce: the same update, summed in another order.
     for name, tensor in ddp_model.items():
         assert torch.allclose(fsdp_model[name], tensor, atol=1e-5), name
+    # The shards themselves, reassembled, are what both files hold, bit for bit.
+    shards = tensors(sharded_state(uninterrupted / "step-12", tmp_path))
+    safetensors = load_file(exported.with_suffix(".safetensors"))
+    assert safetensors.keys() == fsdp_model.keys()
+    for name, tensor in fsdp_model.items():
+        assert torch.equal(shards[f"model.{name}"], tensor) and torch.equal(safetensors[name], tensor), name
+    assert json.loads(exported.with_suffix(".json").read_text())["step"] == 12
 
 
 def test_channels_last_shards_and_trains_what_contiguous_parameters_train(fsdp_project, uninterrupted, tmp_path):
     """Issue 11: channels-last conv weights are not contiguous, and fully_shard refused them at start (on CUDA
     channels-last is the default for conv models)."""
-    launch(fsdp_project, 2, "--channels-last", "--batch-size", "8", "--max-steps", "4",
-           "--ckpt-dir", str(tmp_path / "channels-last"))
+    launch(fsdp_project, 2, channels_last=True, max_steps=4, ckpt_dir=tmp_path / "channels-last")
     expected = tensors(sharded_state(uninterrupted / "step-4", tmp_path))
     actual = tensors(sharded_state(tmp_path / "channels-last" / "step-4", tmp_path))
     for name, tensor in expected.items():
@@ -104,12 +111,11 @@ def test_batchnorm_shares_its_blocks_group_and_bf16_matches_ddp(fsdp_project, tm
     block holding one all-gathers in fp32 and autocast computes in bf16, as under DDP."""
     # 64 px: at 16 or 32, layer4 sees 1x1 maps, where CPU bf16 3x3 convolutions leave garbage in the weight
     # gradients' border taps (torch 2.14, under DDP too).
-    args = ["--model", "resnet18", "--image-size", "64", "--precision", "bf16", "--batch-size", "4",
-            "--max-steps", "2", "--eval-every", "0"]
-    fsdp = launch(fsdp_project, 2, *args, "--ckpt-dir", str(tmp_path / "fsdp2"))
+    args = dict(model="resnet18", image_size=64, precision="bf16", batch_size=4, max_steps=2, eval_every=0)
+    fsdp = launch(fsdp_project, 2, **args, ckpt_dir=tmp_path / "fsdp2")
     # resnet18: stem conv, stem BatchNorm, 8 residual blocks, head, and the root; no BatchNorm alone.
     assert "fsdp2: 12 groups" in fsdp.stderr, fsdp.stderr[-3000:]
-    launch(fsdp_project, 2, *args, "--strategy", "ddp", "--ckpt-dir", str(tmp_path / "ddp"))
+    launch(fsdp_project, 2, **args, strategy="ddp", ckpt_dir=tmp_path / "ddp")
     sharded = tensors(sharded_state(tmp_path / "fsdp2" / "step-2", tmp_path))
     replicated = checkpoint(tmp_path / "ddp", 2)["model"]
     for name, tensor in replicated.items():
@@ -121,10 +127,8 @@ def test_batchnorm_shares_its_blocks_group_and_bf16_matches_ddp(fsdp_project, tm
 
 def test_kill_9_mid_run_resumes_bitwise(fsdp_project, uninterrupted, tmp_path):
     ckpt_dir = tmp_path / "killed"
-    launcher = subprocess.Popen(["./run_node.sh", *RUN, "--batch-size", "8", "--max-steps", "12",
-                                 "--ckpt-dir", str(ckpt_dir)], cwd=fsdp_project,
-                                env=tool_env(NPROC_PER_NODE="2", MAX_RESTARTS="1"), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    launcher = start_job(fsdp_project, tiny_run(**RUN, max_steps=12, ckpt_dir=ckpt_dir), via="run_node.sh",
+                         max_restarts=1)
     wait_for(ckpt_dir / "step-4", launcher)
     with paused(launcher) as workers:  # lest the run end before the kill lands
         os.kill(workers[-1], signal.SIGKILL)
@@ -143,7 +147,7 @@ def test_two_ranks_to_one_reshards_and_continues_the_same_run(fsdp_project, unin
     ckpt_dir.mkdir()
     shutil.copytree(uninterrupted / "step-8", ckpt_dir / "step-8")
     # One rank of 16 samples: the same global batch, so the same run continues on half the ranks.
-    result = launch(fsdp_project, 1, "--batch-size", "16", "--max-steps", "12", "--ckpt-dir", str(ckpt_dir))
+    result = launch(fsdp_project, 1, batch_size=16, max_steps=12, ckpt_dir=ckpt_dir)
     assert "step 8, epoch 0, 128 samples into the epoch, saved by 2 ranks" in result.stderr
     expected = tensors(sharded_state(uninterrupted / "step-12", tmp_path))
     actual = tensors(sharded_state(ckpt_dir / "step-12", tmp_path))
@@ -159,7 +163,7 @@ def test_torn_newest_folder_and_partial_save_fall_back_to_the_previous(fsdp_proj
     shard = ckpt_dir / "step-8" / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a copy cut short
     (ckpt_dir / ".step-12.partial").mkdir()  # a save killed before it was published
-    result = launch(fsdp_project, 2, "--batch-size", "8", "--max-steps", "8", "--ckpt-dir", str(ckpt_dir))
+    result = launch(fsdp_project, 2, max_steps=8, ckpt_dir=ckpt_dir)
     assert "skipping incomplete checkpoint" in result.stderr and "__1_0.distcp" in result.stderr
     assert "removed" in result.stderr and not (ckpt_dir / ".step-12.partial").exists()
     assert "resuming from " + str(ckpt_dir / "step-4") in result.stderr
@@ -170,7 +174,7 @@ def test_torn_newest_folder_and_partial_save_fall_back_to_the_previous(fsdp_proj
 
 
 def test_fp16_with_fsdp2_is_one_clear_line(fsdp_project, tmp_path):
-    result = run(["python", "train.py", *RUN, "--precision", "fp16", "--ckpt-dir", str(tmp_path)], cwd=fsdp_project)
+    result = run_job(fsdp_project, tiny_run(**RUN, precision="fp16", ckpt_dir=tmp_path), via="python", nproc=1)
     assert result.returncode == 1
     assert result.stderr.startswith("error: --precision fp16 needs a gradient scaler"), result.stderr
 
@@ -179,10 +183,9 @@ def test_accumulation_clipping_and_uneven_evaluation_match_ddp(fsdp_project, tmp
     """Gradient sync switched off between micro-batches, clipping of sharded gradients, and evaluation on
     shards of different batch counts (65 held-out samples: 33 and 32, batches of 16) under FSDP2, against
     the same run under DDP."""
-    args = ["--fake-samples", "260", "--batch-size", "8", "--grad-accum", "2", "--clip-grad", "0.5",
-            "--max-steps", "4"]
-    fsdp = launch(fsdp_project, 2, *args, "--ckpt-dir", str(tmp_path / "fsdp2"))
-    ddp = launch(fsdp_project, 2, *args, "--strategy", "ddp", "--ckpt-dir", str(tmp_path / "ddp"))
+    args = dict(fake_samples=260, grad_accum=2, clip_grad=0.5, max_steps=4)
+    fsdp = launch(fsdp_project, 2, **args, ckpt_dir=tmp_path / "fsdp2")
+    ddp = launch(fsdp_project, 2, **args, strategy="ddp", ckpt_dir=tmp_path / "ddp")
     for result in (fsdp, ddp):
         assert "on 65 held-out samples" in result.stderr
     sharded = tensors(sharded_state(tmp_path / "fsdp2" / "step-4", tmp_path))

@@ -81,7 +81,8 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
         with watchdog.slow_phase("checking evaluation on one batch"):
             evaluate(model, eval_loader, device, amp, task, max_batches=1)
     meter = build_meter(options, env, device, planned_steps(options, steps_per_epoch), done_steps=progress.step,
-                        unit=task.throughput_unit, flops_per_unit=task.model_flops_per_unit(model, options))
+                        unit=task.throughput_unit, flops_per_unit=task.model_flops_per_unit(model, options),
+                        changed_options=checkpointer.changed_options)
     micro_batch_size = options.batch_size * env.world_size  # samples per micro-step, all ranks together
     stop_requested = False
 

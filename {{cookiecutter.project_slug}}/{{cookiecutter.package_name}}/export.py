@@ -1,16 +1,19 @@
-"""Turn a training checkpoint into one plain file of model weights, for inference or sharing:
+"""Turn a training checkpoint into plain model weights, for inference or sharing:
 
     python -m {{ cookiecutter.package_name }}.export checkpoints/step-1000 model.pt   # an FSDP2 folder of shards
     python -m {{ cookiecutter.package_name }}.export checkpoints/step-1000.pt model.pt  # a DDP checkpoint
     python -m {{ cookiecutter.package_name }}.export checkpoints model.pt              # the newest in a --ckpt-dir
 
-One process, no GPU or torchrun needed. Load the result with
-    model = task.build_model(options, train_set); model.load_state_dict(torch.load("model.pt", weights_only=True))
+writes model.pt (the state_dict, for torch.load), model.safetensors (the same tensors, loadable by any
+safetensors reader without pickle) and model.json (the task options that rebuild the model, and the step).
+One process, no GPU or torchrun needed; the README shows loading them.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -19,6 +22,8 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from .checkpoint import list_checkpoints, list_sharded_checkpoints, missing_pieces
+from .checkpoint.sharded import OPTIONS_FILE
+from .task import TaskOptions
 
 
 def newest_checkpoint(ckpt_dir: Path) -> Path:
@@ -31,18 +36,42 @@ def newest_checkpoint(ckpt_dir: Path) -> Path:
 
 def load_model_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     """The model's full (unsharded) state_dict from either kind of checkpoint."""
+    return load_checkpoint(checkpoint)[0]
+
+
+def load_checkpoint(checkpoint: Path) -> tuple[dict[str, torch.Tensor], dict, int]:
+    """(the model's full state_dict, the options the run had, its step) from either kind of checkpoint."""
     if checkpoint.is_dir():
         if problem := missing_pieces(checkpoint):
             raise SystemExit(f"error: {checkpoint} is not a complete checkpoint ({problem})")
         with tempfile.TemporaryDirectory() as scratch:  # DCP reassembles every shard into one torch.save file
             whole = Path(scratch) / "whole.pt"
             dcp_to_torch_save(checkpoint, whole)
-            return torch.load(whole, weights_only=True)["model"]
-    return torch.load(checkpoint, map_location="cpu", weights_only=True)["model"]
+            state = torch.load(whole, weights_only=True)
+        options_file = checkpoint / OPTIONS_FILE
+        options = json.loads(options_file.read_text()) if options_file.exists() else {}
+        return state["model"], options, int(state["progress"]["step"])
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    return state["model"], state.get("options", {}), int(state["step"])
+
+
+def one_storage_each(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors keeps each tensor in its own bytes: tied weights (one storage under two names, e.g. an
+    embedding shared with the output layer) are written as copies, which load back into the tie unchanged."""
+    seen, separate = set(), {}
+    for name, tensor in weights.items():
+        storage = tensor.untyped_storage().data_ptr()
+        separate[name] = tensor.clone() if storage in seen else tensor.contiguous()
+        seen.add(storage)
+    return separate
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Write a checkpoint's model weights to one .pt file.")
+    from safetensors.torch import save_file
+
+    parser = argparse.ArgumentParser(description="Write a checkpoint's model weights to a .pt file, and beside it "
+                                     "the same tensors as .safetensors with a .json of the options that rebuild "
+                                     "the model.")
     parser.add_argument("checkpoint", type=Path, help="step-<N>.pt, step-<N>/ or a --ckpt-dir (newest)")
     parser.add_argument("output", type=Path, help="the .pt file to write: the model's state_dict")
     args = parser.parse_args(argv)
@@ -51,11 +80,15 @@ def main(argv: list[str] | None = None) -> None:
     checkpoint = args.checkpoint
     if checkpoint.is_dir() and not (checkpoint / ".metadata").exists():
         checkpoint = newest_checkpoint(checkpoint)
-    weights = load_model_weights(checkpoint)
+    weights, options, step = load_checkpoint(checkpoint)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     torch.save(weights, args.output)
+    save_file(one_storage_each(weights), args.output.with_suffix(".safetensors"), metadata={"step": str(step)})
+    task_options = {spec.name: options[spec.name] for spec in dataclasses.fields(TaskOptions) if spec.name in options}
+    args.output.with_suffix(".json").write_text(json.dumps({"step": step, "task": task_options}, indent=1) + "\n")
     print(f"wrote {len(weights)} tensors ({sum(t.numel() for t in weights.values()):,} values) "
-          f"from {checkpoint} to {args.output}")
+          f"from {checkpoint} to {args.output}, {args.output.with_suffix('.safetensors').name} and "
+          f"{args.output.with_suffix('.json').name}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Measuring a run: loss (averaged over ranks), gradient norm, lr, throughput in the task's unit, step time,
 time spent waiting for data, memory, model FLOPs utilisation; the held-out evaluation (sums reduced over
-ranks); shown as log lines or a progress bar, and written by rank 0 to metrics.jsonl and TensorBoard."""
+ranks); shown as log lines or a progress bar, and written by rank 0 to metrics.jsonl and a tracker."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from .optim import MixedPrecision
 from .options import TrainOptions, UsageError
 from .parallel import sync_buffers_from_main
 from .registry import Task
+from .trackers import TRACKERS, Tracker
 
 log = logging.getLogger("train")
 
@@ -127,11 +128,14 @@ def sum_across_ranks(totals: dict[str, torch.Tensor] | None, device: torch.devic
 
 
 def build_meter(options: TrainOptions, env: DistEnv, device: torch.device, total_steps: int, done_steps: int,
-                unit: str = "samples", flops_per_unit: float | None = None) -> TrainingMeter:
-    """The run's meter: metrics files with --log-dir and a progress bar on a terminal, both on rank 0 only."""
+                unit: str = "samples", flops_per_unit: float | None = None,
+                changed_options: list[str] = ()) -> TrainingMeter:
+    """The run's meter: metrics files with --log-dir, a tracker run and a progress bar on a terminal, all on
+    rank 0 only. `changed_options`: what this resume changed, for the tracker."""
     metrics_log = None
-    if options.log_dir and env.is_main_process:
-        metrics_log = MetricsLog(options.log_dir, resumed_step=done_steps, restart=env.restart_count)
+    if (options.log_dir or options.tracker in TRACKERS) and env.is_main_process:
+        metrics_log = MetricsLog(options, resumed_step=done_steps, restart=env.restart_count,
+                                 tracker=Tracker(options, env, done_steps, list(changed_options)))
     # A bar for people watching a terminal; plain log lines for files, CI and schedulers.
     show_bar = options.progress_bar if options.progress_bar is not None else sys.stderr.isatty()
     progress_bar = ProgressBar(env.is_main_process and show_bar, total_steps, done_steps)
@@ -144,37 +148,45 @@ def build_meter(options: TrainOptions, env: DistEnv, device: torch.device, total
 
 
 class MetricsLog:
-    """Rank 0's record of a run in --log-dir: metrics.jsonl (one JSON object per row) and TensorBoard events.
+    """Rank 0's record of a run: in --log-dir, metrics.jsonl (one JSON object per row) and, with --tracker
+    tensorboard, its events; with --tracker wandb or mlflow, that tracker's run.
 
     Rows are appended, so a restarted run continues the same file; rows for steps after the checkpoint it
-    resumed from appear twice (each with its restart number), and TensorBoard drops its own stale ones.
+    resumed from appear twice (each with its restart number). TensorBoard drops its own stale ones, and the
+    trackers are not sent them again (trackers.py).
     """
 
-    def __init__(self, log_dir: str, resumed_step: int, restart: int):
-        self.restart = restart
-        folder = Path(log_dir)
-        folder.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(folder / "metrics.jsonl", "a", buffering=1)  # line-buffered: readable while running
-        self.tensorboard = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            log.warning("tensorboard is not installed, so only %s/metrics.jsonl is written; "
-                        "pip install tensorboard for event files", log_dir)
-        else:
-            # purge_step: events a previous attempt wrote after the checkpoint we resumed from are hidden.
-            self.tensorboard = SummaryWriter(log_dir, purge_step=resumed_step or None)
+    def __init__(self, options: TrainOptions, resumed_step: int, restart: int, tracker: Tracker):
+        self.restart, self.tracker = restart, tracker
+        self.jsonl = self.tensorboard = None
+        if options.log_dir:
+            folder = Path(options.log_dir)
+            folder.mkdir(parents=True, exist_ok=True)
+            self.jsonl = open(folder / "metrics.jsonl", "a", buffering=1)  # line-buffered: readable while running
+        if options.log_dir and options.tracker == "tensorboard":
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                log.warning("tensorboard is not installed, so only %s/metrics.jsonl is written; "
+                            "pip install tensorboard for event files", options.log_dir)
+            else:
+                # purge_step: events a previous attempt wrote after the checkpoint we resumed from are hidden.
+                self.tensorboard = SummaryWriter(options.log_dir, purge_step=resumed_step or None)
 
     def write(self, kind: str, step: int, values: dict[str, float]) -> None:
-        self.jsonl.write(json.dumps({"kind": kind, "step": step, **values, "restart": self.restart}) + "\n")
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps({"kind": kind, "step": step, **values, "restart": self.restart}) + "\n")
         if self.tensorboard is not None:
             for name, value in values.items():
                 self.tensorboard.add_scalar(f"{kind}/{name}", value, step)
+        self.tracker.log(kind, step, values)
 
     def close(self) -> None:
-        self.jsonl.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+        self.tracker.close()
 
 
 class ProgressBar:

@@ -85,8 +85,11 @@ class TrainOptions:
                                 "(0: never)")
     log_every: int = option(10, "log loss and throughput every this many steps (rank 0)")
     log_dir: str | None = option(
-        None, "rank 0 writes LOG_DIR/metrics.jsonl (one JSON object per logged step and per evaluation) "
-        "and TensorBoard event files there")
+        None, "rank 0 writes LOG_DIR/metrics.jsonl (one JSON object per logged step and per evaluation), "
+        "and with --tracker tensorboard its event files there")
+    tracker: Literal["tensorboard", "wandb", "mlflow", "none"] = option(
+        "tensorboard", "where rank 0 also sends each row: TensorBoard event files in --log-dir, or one "
+        "Weights & Biases or MLflow run per job, continued by every restart (its id: CKPT_DIR/tracker.json)")
     progress_bar: bool | None = option(None, "tqdm progress bar on rank 0 (default: only when stderr is a terminal)")
     step_timeout: float = option(
         120, "seconds a training step may take before its rank counts as stopped: it logs where every rank "

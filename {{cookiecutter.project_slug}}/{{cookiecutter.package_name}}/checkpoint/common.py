@@ -84,10 +84,11 @@ EFFECT_OF_CHANGING = {
 CHANGED_BY_EVERY_RESUME = ("max_steps", "ckpt_dir", "resume_changed_state")
 
 
-def check_resumed_options(saved: dict | None, options: TrainOptions, source: Path) -> None:
-    """Stop on a changed option the checkpoint cannot take; log the others in one line with their effect."""
+def check_resumed_options(saved: dict | None, options: TrainOptions, source: Path) -> list[str]:
+    """Stop on a changed option the checkpoint cannot take; log the others in one line with their effect,
+    and return them (--lr 0.01 -> 0.02, ...)."""
     if not saved:  # a checkpoint from before options were recorded
-        return
+        return []
     current = every_option(options)
     changed = [name for name, value in current.items()
                if name in saved and saved[name] != value and name not in CHANGED_BY_EVERY_RESUME]
@@ -97,10 +98,12 @@ def check_resumed_options(saved: dict | None, options: TrainOptions, source: Pat
         asked = ", ".join(f"--{flag(name)} {current[name]}" for name in fixed)
         raise UsageError(f"{source} was trained with {was}, but this run asks for {asked}; "
                          "resume with the same values, or start a new run with another --ckpt-dir")
-    if changed:
+    changes = [f"--{flag(name)} {saved[name]} -> {current[name]}" for name in changed]
+    if changes:
         log.info("resuming with changed options: %s", "; ".join(
-            f"--{flag(name)} {saved[name]} -> {current[name]}"
-            + (f" ({EFFECT_OF_CHANGING[name]})" if name in EFFECT_OF_CHANGING else "") for name in changed))
+            change + (f" ({EFFECT_OF_CHANGING[name]})" if name in EFFECT_OF_CHANGING else "")
+            for change, name in zip(changes, changed, strict=True)))
+    return changes
 
 
 def elect_writers(ckpt_dir: Path, env: DistEnv, device: torch.device) -> tuple[bool, int]:
@@ -135,6 +138,7 @@ class Checkpointer:
 
     def __init__(self, options: TrainOptions, env: DistEnv, device: torch.device, **components):
         self.options = options  # recorded in every checkpoint, compared on resume
+        self.changed_options: list[str] = []  # by the resume: --lr 0.01 -> 0.02, ...
         self.ckpt_dir = Path(options.ckpt_dir)
         self.keep = options.keep_checkpoints
         self.env = env
@@ -164,7 +168,7 @@ class Checkpointer:
             log.info("no valid checkpoint in %s; starting from scratch", self.ckpt_dir)
             return TrainingProgress()
         source, saved_options = newest
-        check_resumed_options(saved_options, self.options, source)
+        self.changed_options = check_resumed_options(saved_options, self.options, source)
         entries, progress_fields = self.saved_entries(source)
         restored = self.check_saved_entries(source, entries, progress_fields)
         try:

@@ -1,0 +1,168 @@
+"""Where users already look: a W&B or MLflow run that a killed, restarted and resumed job continues as one run,
+with no step sent twice; a tracker that cannot be reached costs one warning; and exported weights that load
+back bit for bit from model.safetensors, as the README shows, without the training's checkpoint code."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import checkpoint, free_port, kill_a_worker_and_finish, run_job, start_job, tiny_run
+
+# 2 ranks of 8 on 256 samples: 16 steps an epoch, a row every 2 steps, a checkpoint every 4.
+RUN = dict(fake_samples=256, num_workers=0, log_every=2)
+
+
+def wandb_records(wandb_dir: Path) -> list[tuple[str, object]]:
+    """Every (run id, record) of the offline runs under wandb_dir, in the order they were written. Each
+    run-<id>.wandb file is a LevelDB-style log of W&B's own protobuf records (wandb.proto), which the
+    library decodes here."""
+    from wandb.proto import wandb_internal_pb2
+
+    records = []
+    for path in sorted(wandb_dir.glob("wandb/offline-run-*/run-*.wandb")):
+        data, position, pending = path.read_bytes(), 7, b""  # a 7-byte header: ":W&B", magic, version
+        assert data[:4] == b":W&B", path
+        while position + 7 <= len(data):
+            block_left = 32768 - position % 32768
+            if block_left < 7:  # a block's tail too short for a record header is padding
+                position += block_left
+                continue
+            _, length, kind = struct.unpack_from("<IHB", data, position)
+            if kind == 0:  # zeros: the rest of the block is padding
+                position += block_left
+                continue
+            chunk, position = data[position + 7:position + 7 + length], position + 7 + length
+            pending = chunk if kind in (1, 2) else pending + chunk  # full, first; middle, last
+            if kind in (1, 4):
+                record = wandb_internal_pb2.Record()
+                record.ParseFromString(pending)
+                records.append((path.stem.removeprefix("run-"), record))
+    return records
+
+
+def wandb_history(wandb_dir: Path) -> tuple[list[tuple[str, int, dict]], dict]:
+    """(every (run id, step, row) logged, the run's config as its updates left it)."""
+    rows, config = [], {}
+    for run_id, record in wandb_records(wandb_dir):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            rows.append((run_id, items["_step"], items))
+        elif kind == "config":
+            config |= {item.key: json.loads(item.value_json) for item in record.config.update}
+    return rows, config
+
+
+def mlflow_history(tracking_uri: str) -> tuple[list, list[int], list[int]]:
+    """(every run in the store, the steps of train/loss, the steps of eval/loss), with MLflow's own client."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    runs = client.search_runs([experiment.experiment_id for experiment in client.search_experiments()])
+    assert len(runs) == 1, [run.info.run_id for run in runs]
+    run_id = runs[0].info.run_id
+    return runs, *([metric.step for metric in client.get_metric_history(run_id, f"{kind}/loss")]
+                   for kind in ("train", "eval"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tracker", ["wandb", "mlflow"])
+def test_a_killed_and_resumed_job_is_one_tracker_run_without_a_step_twice(default_project, tmp_path, tracker,
+                                                                        monkeypatch):
+    ckpt_dir = tmp_path / "ckpt"
+    environment = ({"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
+                   if tracker == "wandb" else
+                   {"MLFLOW_TRACKING_URI": f"file://{tmp_path / 'mlruns'}", "MLFLOW_ALLOW_FILE_STORE": "true"})
+    # A worker killed after step 8's checkpoint: torchrun restarts the group, which redoes steps 9 to the kill.
+    killed = start_job(default_project, tiny_run(**RUN, max_steps=16, ckpt_dir=ckpt_dir, tracker=tracker),
+                       max_restarts=1, **environment)
+    kill_a_worker_and_finish(killed, ckpt_dir / "step-8.pt")
+    # Then the job again with a higher step limit and another lr, as after a SIGTERM or a requeue.
+    resumed = run_job(default_project, tiny_run(**RUN, max_steps=24, lr=0.02, ckpt_dir=ckpt_dir, tracker=tracker),
+                      **environment)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "--tracker" not in resumed.stderr, resumed.stderr[-3000:]  # no warning
+
+    record = json.loads((ckpt_dir / "tracker.json").read_text())
+    assert record["tracker"] == tracker and record["resumes"] == 2 and record["sent"] == {"train": 24, "eval": 24}
+    if tracker == "wandb":
+        rows, config = wandb_history(tmp_path)
+        assert {run_id for run_id, _, _ in rows} == {record["run_id"]}, "one run"
+        train = [step for _, step, row in rows if "train/loss" in row]
+        evaluation = [step for _, step, row in rows if "eval/loss" in row]
+        assert config["lr"] == 0.02 and config["world_size"] == 2, config  # updated by the resume
+        resumes = json.dumps(config)
+    else:
+        monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # for the reader here too
+        runs, train, evaluation = mlflow_history(f"file://{tmp_path / 'mlruns'}")
+        assert runs[0].info.run_id == record["run_id"] and runs[0].data.params["lr"] == "0.01"
+        assert runs[0].data.tags["world_size"] == "2"
+        resumes = json.dumps(runs[0].data.tags)
+    # Strictly increasing over the whole job: no step twice, whichever attempt sent it. A kill may lose the
+    # rows sent just before it; the resumed steps and the end are there.
+    assert train == sorted(set(train)) and evaluation == sorted(set(evaluation)), (train, evaluation)
+    assert {2, 4, 6, 8} <= set(train) and set(range(18, 25, 2)) <= set(train), train
+    assert evaluation[-1] == 24 and 16 in evaluation, evaluation
+    assert "at step 8 on 2 ranks (restart 1); no option changed" in resumes, resumes
+    assert "at step 16 on 2 ranks (restart 0); --lr 0.01 -> 0.02" in resumes, resumes
+
+
+@pytest.mark.slow
+def test_a_tracker_that_cannot_be_reached_costs_one_warning(default_project, tmp_path):
+    result = run_job(default_project, tiny_run(**RUN, max_steps=4, ckpt_dir=tmp_path, tracker="mlflow"),
+                     via="python", nproc=1, MLFLOW_TRACKING_URI=f"http://127.0.0.1:{free_port()}",
+                     MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT="5")
+    assert result.returncode == 0, result.stderr[-3000:]
+    warnings = [line for line in result.stderr.splitlines() if "--tracker:" in line]
+    assert len(warnings) == 1 and "could not start the mlflow run" in warnings[0], result.stderr[-3000:]
+    assert "training goes on without it" in warnings[0]
+    assert (tmp_path / "step-4.pt").exists()
+
+
+@pytest.fixture
+def baked(default_project, monkeypatch):
+    """Modules of the default project, imported into this process (export needs no torch.distributed)."""
+    monkeypatch.syspath_prepend(str(default_project))
+    return lambda name: importlib.import_module(f"ddp_training.{name}")
+
+
+def readme_python_block(project: Path, section: str) -> str:
+    text = (project / "README.md").read_text()
+    return re.search(r"```python\n(.*?)```", text[text.index(section):], re.DOTALL)[1]
+
+
+@pytest.mark.slow
+def test_exported_safetensors_load_back_bitwise_as_the_readme_shows(default_project, uninterrupted_bare, baked,
+                                                                    tmp_path, monkeypatch, capsys):
+    baked("export").main([str(uninterrupted_bare / "step-40.pt"), str(tmp_path / "model.pt")])
+    assert "to " + str(tmp_path / "model.pt") + ", model.safetensors and model.json" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "model.json").read_text())
+    assert saved == {"step": 40, "task": {"data": "fake", "data_dir": "data", "fake_samples": 512,
+                                          "model": "small_cnn", "image_size": 16, "num_classes": 10}}
+    # The README's lines, run as they are in the folder the export wrote.
+    monkeypatch.chdir(tmp_path)
+    namespace = {}
+    exec(readme_python_block(default_project, "### Weights others can load"), namespace)  # noqa: S102
+    expected = checkpoint(uninterrupted_bare, 40)["model"]
+    loaded = namespace["model"].state_dict()
+    assert loaded.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(loaded[name], tensor), name
+
+
+def test_tied_weights_are_exported_as_copies_that_load_back_into_the_tie(baked, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+    model[1].weight = model[0].weight  # an output layer tied to the embedding, as in many language models
+    save_file(baked("export").one_storage_each(model.state_dict()), tmp_path / "tied.safetensors")
+    copy = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+    copy[1].weight = copy[0].weight
+    copy.load_state_dict(load_file(tmp_path / "tied.safetensors"))
+    assert copy[1].weight is copy[0].weight and torch.equal(copy[0].weight, model[0].weight)
