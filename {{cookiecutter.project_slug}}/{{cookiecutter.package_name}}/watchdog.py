@@ -89,7 +89,10 @@ class Watchdog:
         the GIL meets a step's deadline, nor a step right after one keeps the slow phase's."""
         _, _, slow, since = phase
         deadline = since + 2 * (self.io_timeout if slow else self.step_timeout) + 2 * self._longest_step + 10
-        faulthandler.dump_traceback_later(max(deadline - time.monotonic(), 1.0), exit=True)
+        # To the process's own stderr, not sys.stderr: torch's excepthook swaps sys.stderr for a StringIO while
+        # it prints a traceback, and an arming then fails (io.UnsupportedOperation: fileno) and ends this thread.
+        faulthandler.dump_traceback_later(max(deadline - time.monotonic(), 1.0), exit=True,
+                                          file=sys.__stderr__ or sys.stderr)
 
     def _on_sigterm(self, signum, frame) -> None:
         self.sigterm_received = True
