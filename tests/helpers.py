@@ -97,13 +97,13 @@ def stopped(pids: list[int]) -> Iterator[list[int]]:
                 os.kill(pid, signal.SIGCONT)
 
 
-def kill_a_worker_and_finish(launcher: subprocess.Popen, after: Path) -> str:
-    """Once `after` (a checkpoint) exists, kill -9 one training process of this torchrun (its workers held still
-    meanwhile, so a small run cannot end first), and return the job's output once it has restarted, resumed
-    and finished."""
+def kill_a_worker_and_finish(launcher: subprocess.Popen, after: Path, which: int = -1) -> str:
+    """Once `after` (a checkpoint) exists, kill -9 one training process of this torchrun (the last it started,
+    or `which`; its workers held still meanwhile, so a small run cannot end first), and return the job's
+    output once it has restarted, resumed and finished."""
     wait_for(after, launcher)
     with paused(launcher) as workers:
-        os.kill(workers[-1], signal.SIGKILL)
+        os.kill(workers[which], signal.SIGKILL)
     output = launcher.communicate(timeout=300)[0]
     assert launcher.returncode == 0, output[-4000:]
     assert "restart=1" in output and "resuming from" in output, output[-4000:]

@@ -114,6 +114,16 @@ def test_fsdp2_token_files_resume_on_another_world_size_and_export(bake, text_di
     weights = torch.load(exported, weights_only=True)
     assert weights["token_embedding.weight"].shape == (256, 32)
     assert sum("blocks." in name for name in weights) > 0 and not any(n.startswith("module.") for n in weights)
+    # The README's loading lines, run as they are beside the export: the model rebuilt from model.json holds
+    # model.safetensors' tensors, which are the .pt's, bit for bit.
+    readme = (project / "README.md").read_text()
+    loading = re.search(r"```python\n(.*?)```", readme[readme.index("### Weights others can load"):], re.DOTALL)[1]
+    reloaded = run(["python", "-c", loading + "\nimport torch\ntorch.save(model.state_dict(), 'reloaded.pt')\n"],
+                   cwd=tmp_path, PYTHONPATH=str(project))
+    assert reloaded.returncode == 0, reloaded.stderr[-3000:]
+    state = torch.load(tmp_path / "reloaded.pt", weights_only=True)
+    assert state.keys() == weights.keys()
+    assert all(torch.equal(state[name], tensor) for name, tensor in weights.items())
 
 
 def test_language_model_project_is_lint_clean_and_its_smoke_tests_pass(lm_project):

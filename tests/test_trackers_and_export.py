@@ -37,6 +37,8 @@ def wandb_records(wandb_dir: Path) -> list[tuple[str, object]]:
             if kind == 0:  # zeros: the rest of the block is padding
                 position += block_left
                 continue
+            if position + 7 + length > len(data):  # the record a killed writer left half-written
+                break
             chunk, position = data[position + 7:position + 7 + length], position + 7 + length
             pending = chunk if kind in (1, 2) else pending + chunk  # full, first; middle, last
             if kind in (1, 4):
@@ -79,10 +81,11 @@ def test_a_killed_and_resumed_job_is_one_tracker_run_without_a_step_twice(defaul
     environment = ({"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
                    if tracker == "wandb" else
                    {"MLFLOW_TRACKING_URI": f"file://{tmp_path / 'mlruns'}", "MLFLOW_ALLOW_FILE_STORE": "true"})
-    # A worker killed after step 8's checkpoint: torchrun restarts the group, which redoes steps 9 to the kill.
+    # Rank 0, the one sending to the tracker, killed after step 8's checkpoint: torchrun restarts the group,
+    # which redoes steps 9 to the kill.
     killed = start_job(default_project, tiny_run(**RUN, max_steps=16, ckpt_dir=ckpt_dir, tracker=tracker),
                        max_restarts=1, **environment)
-    kill_a_worker_and_finish(killed, ckpt_dir / "step-8.pt")
+    kill_a_worker_and_finish(killed, ckpt_dir / "step-8.pt", which=0)
     # Then the job again with a higher step limit and another lr, as after a SIGTERM or a requeue.
     resumed = run_job(default_project, tiny_run(**RUN, max_steps=24, lr=0.02, ckpt_dir=ckpt_dir, tracker=tracker),
                       **environment)
@@ -90,7 +93,7 @@ def test_a_killed_and_resumed_job_is_one_tracker_run_without_a_step_twice(defaul
     assert "--tracker" not in resumed.stderr, resumed.stderr[-3000:]  # no warning
 
     record = json.loads((ckpt_dir / "tracker.json").read_text())
-    assert record["tracker"] == tracker and record["resumes"] == 2 and record["sent"] == {"train": 24, "eval": 24}
+    assert record["tracker"] == tracker and record["resumes"] == 2 and record["sent"] == [24, ["train", "eval"]]
     if tracker == "wandb":
         rows, config = wandb_history(tmp_path)
         assert {run_id for run_id, _, _ in rows} == {record["run_id"]}, "one run"
@@ -104,25 +107,28 @@ def test_a_killed_and_resumed_job_is_one_tracker_run_without_a_step_twice(defaul
         assert runs[0].info.run_id == record["run_id"] and runs[0].data.params["lr"] == "0.01"
         assert runs[0].data.tags["world_size"] == "2"
         resumes = json.dumps(runs[0].data.tags)
-    # Strictly increasing over the whole job: no step twice, whichever attempt sent it. A kill may lose the
-    # rows sent just before it; the resumed steps and the end are there.
+    # Strictly increasing over the whole job: no step twice, whichever attempt sent it. The killed attempt's rows
+    # may be lost (queued while its tracker was still starting, here where 8 steps take a second); every row of
+    # the attempts after it is there.
     assert train == sorted(set(train)) and evaluation == sorted(set(evaluation)), (train, evaluation)
-    assert {2, 4, 6, 8} <= set(train) and set(range(18, 25, 2)) <= set(train), train
+    assert set(range(10, 25, 2)) <= set(train), train
     assert evaluation[-1] == 24 and 16 in evaluation, evaluation
     assert "at step 8 on 2 ranks (restart 1); no option changed" in resumes, resumes
     assert "at step 16 on 2 ranks (restart 0); --lr 0.01 -> 0.02" in resumes, resumes
 
 
 @pytest.mark.slow
-def test_a_tracker_that_cannot_be_reached_costs_one_warning(default_project, tmp_path):
-    result = run_job(default_project, tiny_run(**RUN, max_steps=4, ckpt_dir=tmp_path, tracker="mlflow"),
-                     via="python", nproc=1, MLFLOW_TRACKING_URI=f"http://127.0.0.1:{free_port()}",
-                     MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT="5")
+@pytest.mark.parametrize("tracker", ["wandb", "mlflow"])
+def test_a_tracker_that_cannot_be_reached_costs_one_warning(default_project, tmp_path, tracker):
+    nobody = f"http://127.0.0.1:{free_port()}"  # a server that is down
+    environment = ({"WANDB_MODE": "online", "WANDB_BASE_URL": nobody, "WANDB_API_KEY": "0" * 40,
+                    "WANDB_DIR": str(tmp_path)} if tracker == "wandb" else {"MLFLOW_TRACKING_URI": nobody})
+    result = run_job(default_project, tiny_run(**RUN, max_steps=4, ckpt_dir=tmp_path, tracker=tracker),
+                     via="python", nproc=1, **environment)
     assert result.returncode == 0, result.stderr[-3000:]
     warnings = [line for line in result.stderr.splitlines() if "--tracker:" in line]
-    assert len(warnings) == 1 and "could not start the mlflow run" in warnings[0], result.stderr[-3000:]
-    assert "training goes on without it" in warnings[0]
-    assert (tmp_path / "step-4.pt").exists()
+    assert len(warnings) == 1 and "training goes on without it" in warnings[0], result.stderr[-3000:]
+    assert (tmp_path / "step-4.pt").exists() and "Traceback" not in result.stderr
 
 
 @pytest.fixture

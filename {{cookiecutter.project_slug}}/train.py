@@ -18,6 +18,7 @@ if __name__ == "__main__":  # run by torchrun or python, not imported by a test
     gc.disable()  # while importing; see the end of this file. So the imports come after code:
 # ruff: noqa: E402
 
+import contextlib
 import math
 import sys
 
@@ -123,14 +124,14 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
                 with watchdog.slow_phase("evaluating"):
                     meter.log_evaluation(progress.step, progress.epoch, evaluate(model, eval_loader, device, amp, task))
 
-    with watchdog.slow_phase("final checkpoint and evaluation"):
+    # meter.close() inside the phase, also on the SIGTERM exit: a tracker's last rows are sent within its limit.
+    with watchdog.slow_phase("final checkpoint and evaluation"), contextlib.closing(meter):
         checkpointer.save(progress)  # before the evaluation, so a failing evaluation loses no training
         if stop_requested:  # preemption, or torchrun stopping the group
             log.info("stopped by SIGTERM after step %d; run the same command again to resume", progress.step)
             sys.exit(EXIT_CODE_AFTER_SIGTERM)
         if options.eval_every and progress.samples_in_epoch:  # stopped by --max-steps part-way through an epoch
             meter.log_evaluation(progress.step, progress.epoch, evaluate(model, eval_loader, device, amp, task))
-    meter.close()
 
 
 @record  # an uncaught exception's traceback reaches torchrun's failure summary

@@ -77,13 +77,18 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not args.checkpoint.exists():
         sys.exit(f"error: {args.checkpoint} does not exist")
+    if args.output.suffix in (".safetensors", ".json"):
+        sys.exit(f"error: {args.output} would be overwritten by the export's own {args.output.suffix} file; "
+                 f"name the .pt file, e.g. {args.output.with_suffix('.pt')}")
     checkpoint = args.checkpoint
     if checkpoint.is_dir() and not (checkpoint / ".metadata").exists():
         checkpoint = newest_checkpoint(checkpoint)
     weights, options, step = load_checkpoint(checkpoint)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     torch.save(weights, args.output)
-    save_file(one_storage_each(weights), args.output.with_suffix(".safetensors"), metadata={"step": str(step)})
+    # "format": "pt" is what Hugging Face's loaders look for in a safetensors file written from torch.
+    save_file(one_storage_each(weights), args.output.with_suffix(".safetensors"),
+              metadata={"format": "pt", "step": str(step)})
     task_options = {spec.name: options[spec.name] for spec in dataclasses.fields(TaskOptions) if spec.name in options}
     args.output.with_suffix(".json").write_text(json.dumps({"step": step, "task": task_options}, indent=1) + "\n")
     print(f"wrote {len(weights)} tensors ({sum(t.numel() for t in weights.values()):,} values) "

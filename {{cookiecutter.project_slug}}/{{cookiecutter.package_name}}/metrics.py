@@ -129,13 +129,13 @@ def sum_across_ranks(totals: dict[str, torch.Tensor] | None, device: torch.devic
 
 def build_meter(options: TrainOptions, env: DistEnv, device: torch.device, total_steps: int, done_steps: int,
                 unit: str = "samples", flops_per_unit: float | None = None,
-                changed_options: list[str] = ()) -> TrainingMeter:
+                changed_options: list[str] | None = None) -> TrainingMeter:
     """The run's meter: metrics files with --log-dir, a tracker run and a progress bar on a terminal, all on
     rank 0 only. `changed_options`: what this resume changed, for the tracker."""
     metrics_log = None
     if (options.log_dir or options.tracker in TRACKERS) and env.is_main_process:
         metrics_log = MetricsLog(options, resumed_step=done_steps, restart=env.restart_count,
-                                 tracker=Tracker(options, env, done_steps, list(changed_options)))
+                                 tracker=Tracker(options, env, done_steps, changed_options or []))
     # A bar for people watching a terminal; plain log lines for files, CI and schedulers.
     show_bar = options.progress_bar if options.progress_bar is not None else sys.stderr.isatty()
     progress_bar = ProgressBar(env.is_main_process and show_bar, total_steps, done_steps)

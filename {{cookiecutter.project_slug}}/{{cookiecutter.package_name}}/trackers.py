@@ -1,20 +1,26 @@
 """Experiment trackers (--tracker wandb or mlflow): rank 0 sends each metrics row there too.
 
-One job is one tracker run. Its id is kept in <ckpt-dir>/tracker.json, so every restart of the job continues
-the same run: torchrun's after a kill -9, a resume after SIGTERM, a Slurm requeue, another world size. Steps a
-restarted job trains again are not sent again: tracker.json also holds the last step sent for each kind of
-row, written before the row is sent, so a kill can lose a row but never send one twice.
+One job is one tracker run. Its id is kept in <ckpt-dir>/tracker.json, and a job that resumes from a
+checkpoint continues that run: torchrun's restart after a kill -9, a resume after SIGTERM, a Slurm requeue,
+another world size. A job that starts from scratch starts a new run. Steps a restarted job trains again are
+not sent again: tracker.json also holds the last step sent, written before each row is sent, so a kill can
+lose rows but never send one twice.
 
-A tracker that cannot be reached (no network, a bad key) or fails later costs one warning, and training goes
-on without it. Neither library is a dependency of the project: pip install -e '.[wandb]' or '.[mlflow]'.
+Training never waits on a tracker: rows go on a queue that a background thread sends; a tracker that cannot
+be reached (no network, a bad key) or fails later costs one warning, and the rows are dropped. The library is
+imported on the main thread (not while DataLoader workers are forked) and is not a dependency of the project:
+pip install -e '.[wandb]' or '.[mlflow]'.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
+import queue
 import tempfile
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -24,25 +30,33 @@ from .options import TrainOptions, every_option
 
 log = logging.getLogger("train")
 
+CLOSE_TIMEOUT_S = 30  # at the end of a run, for the queue's last rows and the tracker's own flush
+# The W&B project and the MLflow experiment, unless the environment names one.
+PROJECT = "{{ cookiecutter.project_slug }}"
+
 
 class RunRecord:
-    """<ckpt-dir>/tracker.json: which tracker run this job logs to, and the last step sent per kind of row."""
+    """<ckpt-dir>/tracker.json: the tracker run this job logs to, and the last step sent (with the kinds of
+    row already sent at that step: a training row and an evaluation row share a step)."""
 
-    def __init__(self, ckpt_dir: str, tracker: str):
+    def __init__(self, ckpt_dir: str, tracker: str, resumed_step: int):
         self.path = Path(ckpt_dir) / "tracker.json"
         saved = json.loads(self.path.read_text()) if self.path.exists() else {}
-        # Another --tracker than the one recorded starts a run in that tracker (and records it instead).
-        self.state = saved if saved.get("tracker") == tracker else {"tracker": tracker, "run_id": None, "sent": {}}
+        # Only a job that resumes from a checkpoint continues the recorded run, and only in the same tracker.
+        continues = saved.get("tracker") == tracker and resumed_step > 0
+        self.state = saved if continues else {"tracker": tracker, "run_id": None, "sent": [0, []], "resumes": 0}
 
     @property
     def run_id(self) -> str | None:
         return self.state["run_id"]
 
     def claim(self, kind: str, step: int) -> bool:
-        """Whether a `kind` row for `step` is new to the run; if so, it is recorded as sent."""
-        if step <= self.state["sent"].get(kind, 0):
+        """Whether a `kind` row for `step` is new to the run; if so, it is recorded as sent. W&B needs steps
+        that never decrease, so one mark serves every kind of row."""
+        last, kinds = self.state["sent"]
+        if step < last or (step == last and kind in kinds):
             return False
-        self.state["sent"][kind] = step
+        self.state["sent"] = [step, [*kinds, kind] if step == last else [kind]]
         self.save()
         return True
 
@@ -57,21 +71,19 @@ class RunRecord:
 
 
 class WandbRun:
-    """A Weights & Biases run (project: WANDB_PROJECT, else the project's name). WANDB_MODE=offline keeps it on
-    this disk, for `wandb sync` to upload later."""
+    """A Weights & Biases run (project: WANDB_PROJECT, else the project's name). Online, each attempt appends to
+    the run; with WANDB_MODE=offline each attempt writes its own folder under the same run id."""
 
-    def __init__(self, record: RunRecord, config: dict[str, Any], resume: tuple[int, str] | None):
-        import wandb
-
+    def __init__(self, wandb, record: RunRecord, config: dict[str, Any], resume: tuple[int, str] | None):
         run_id = record.run_id or uuid.uuid4().hex[:12]
+        record.save(run_id)  # first: a kill during init must not leave a run this job forgets
+        settings = wandb.Settings(console="off", init_timeout=30, login_timeout=10, finish_timeout=CLOSE_TIMEOUT_S)
         self.run = wandb.init(id=run_id, resume="allow", project=os.environ.get("WANDB_PROJECT", PROJECT),
-                              config=config, settings=wandb.Settings(console="off", init_timeout=30))
-        record.save(run_id)
+                              config=config, settings=settings)
         if resume:
-            self.run.config.update(config, allow_val_change=True)  # the world size may have changed
             number, what = resume
+            self.run.config.update({**config, f"resume {number}": what}, allow_val_change=True)  # a new world size
             self.run.tags = (*self.run.tags, f"resume {number}")
-            self.run.config.update({f"resume {number}": what}, allow_val_change=True)
 
     def log(self, kind: str, step: int, values: dict[str, float]) -> None:
         self.run.log({f"{kind}/{name}": value for name, value in values.items()}, step=step)
@@ -82,16 +94,15 @@ class WandbRun:
 
 class MlflowRun:
     """An MLflow run, in the server or store MLFLOW_TRACKING_URI names (experiment: MLFLOW_EXPERIMENT_NAME, else
-    the project's name). Metrics go in the background (synchronous=False): a slow server never holds up a step."""
+    the project's name). Parameters cannot change in MLflow: the options are logged once, as the first attempt
+    had them; the current world size and each resume are tags."""
 
-    def __init__(self, record: RunRecord, config: dict[str, Any], resume: tuple[int, str] | None):
-        import mlflow
-
+    def __init__(self, mlflow, record: RunRecord, config: dict[str, Any], resume: tuple[int, str] | None):
         self.mlflow = mlflow
         if "MLFLOW_EXPERIMENT_NAME" not in os.environ and "MLFLOW_EXPERIMENT_ID" not in os.environ:
             mlflow.set_experiment(PROJECT)
         run = mlflow.start_run(run_id=record.run_id, log_system_metrics=False)
-        if record.run_id is None:  # parameters cannot change in MLflow: the options once, changes as tags
+        if record.run_id is None:
             mlflow.log_params({name: str(value)[:6000] for name, value in config.items()})
         record.save(run.info.run_id)
         mlflow.set_tags({"world_size": config["world_size"], "nodes": config["nodes"]})
@@ -100,52 +111,78 @@ class MlflowRun:
             mlflow.set_tag(f"resume {number}", what)
 
     def log(self, kind: str, step: int, values: dict[str, float]) -> None:
-        self.mlflow.log_metrics({f"{kind}/{name}": value for name, value in values.items()}, step=step,
-                                synchronous=False)
+        self.mlflow.log_metrics({f"{kind}/{name}": value for name, value in values.items()}, step=step)
 
     def close(self) -> None:
         self.mlflow.end_run()
 
 
 TRACKERS = {"wandb": WandbRun, "mlflow": MlflowRun}
-PROJECT = "{{ cookiecutter.project_slug }}"  # the W&B project and MLflow experiment, unless the environment names one
 
 
 class Tracker:
-    """Rank 0's tracker run, or nothing: every failure is one warning, after which rows are not sent."""
+    """Rank 0's tracker run, fed by a background thread; on other ranks, or with --tracker tensorboard or none,
+    nothing. Every failure is one warning, after which rows are dropped."""
 
     def __init__(self, options: TrainOptions, env: DistEnv, resumed_step: int, changes: list[str]):
-        self.run, self.record = None, None
+        self.rows: queue.Queue = queue.Queue(maxsize=10_000)  # full (a tracker far behind): rows are dropped
+        self.thread, self.failed = None, False
         if options.tracker not in TRACKERS or not env.is_main_process:
             return
-        config = {**every_option(options), "world_size": env.world_size, "nodes": env.num_nodes}
+        if options.tracker == "mlflow":  # a server that is down: a few seconds per request, not minutes
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         try:
-            self.record = RunRecord(options.ckpt_dir, options.tracker)
-            resume = None
-            if self.record.run_id:  # a restart of this job: say where it resumed, on how many ranks, with what
-                number = self.record.state["resumes"] = self.record.state.get("resumes", 0) + 1
-                resume = (number, f"at step {resumed_step} on {env.world_size} ranks (restart {env.restart_count})"
-                          + (f"; {'; '.join(changes)}" if changes else "; no option changed"))
-            self.run = TRACKERS[options.tracker](self.record, config, resume)
-        except Exception as error:  # noqa: BLE001 - a tracker must never stop training
-            self.warn(f"could not start the {options.tracker} run", error)
+            library = importlib.import_module(options.tracker)
+        except ImportError as error:
+            self.warn(f"{options.tracker} is not installed (pip install -e '.[{options.tracker}]')", error)
+            return
+        config = {**every_option(options), "world_size": env.world_size, "nodes": env.num_nodes}
+        resumed = f"at step {resumed_step} on {env.world_size} ranks (restart {env.restart_count})" + (
+            f"; {'; '.join(changes)}" if changes else "; no option changed")
+        self.thread = threading.Thread(target=self.send, name="tracker", daemon=True,
+                                       args=(TRACKERS[options.tracker], library, options, resumed_step, config,
+                                             resumed))
+        self.thread.start()
 
     def log(self, kind: str, step: int, values: dict[str, float]) -> None:
-        if self.run is None or not self.record.claim(kind, step):
-            return
+        if self.thread is not None and not self.failed:
+            try:
+                self.rows.put_nowait((kind, step, values))
+            except queue.Full:
+                pass
+
+    def send(self, kind: type, library, options: TrainOptions, resumed_step: int, config: dict, resumed: str):
+        """The background thread: start (or continue) the run, send each row, close it."""
         try:
-            self.run.log(kind, step, values)
-        except Exception as error:  # noqa: BLE001
-            self.warn(f"could not log step {step}", error)
+            record = RunRecord(options.ckpt_dir, options.tracker, resumed_step)
+            resume = None
+            if record.run_id:
+                record.state["resumes"] += 1
+                resume = (record.state["resumes"], resumed)
+            run = kind(library, record, config, resume)
+            while (row := self.rows.get()) is not None:
+                if record.claim(row[0], row[1]):
+                    run.log(*row)
+            run.close()
+        except Exception as error:  # noqa: BLE001 - a tracker must never stop training
+            self.warn(f"the {options.tracker} run failed", error)
 
     def close(self) -> None:
-        if self.run is not None:
-            try:
-                self.run.close()
-            except Exception as error:  # noqa: BLE001
-                self.warn("could not close the run", error)
+        """Send the rows still queued and close the run, waiting at most CLOSE_TIMEOUT_S."""
+        if self.thread is None:
+            return
+        try:
+            self.rows.put(None, timeout=1)
+        except queue.Full:
+            pass
+        self.thread.join(CLOSE_TIMEOUT_S)
+        if self.thread.is_alive():
+            self.warn(f"the run did not finish within {CLOSE_TIMEOUT_S} s",
+                      TimeoutError("its last rows may be missing"))
 
     def warn(self, what: str, error: Exception) -> None:
-        log.warning("--tracker: %s (%s: %s); training goes on without it", what, type(error).__name__,
-                    str(error).splitlines()[0] if str(error) else "")
-        self.run = None
+        if not self.failed:
+            self.failed = True
+            log.warning("--tracker: %s (%s: %s); training goes on without it", what, type(error).__name__,
+                        str(error).strip().splitlines()[0] if str(error).strip() else "")
