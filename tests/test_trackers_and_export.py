@@ -118,6 +118,7 @@ def test_a_killed_and_resumed_job_is_one_tracker_run_without_a_step_twice(defaul
 
 
 @pytest.mark.slow
+@pytest.mark.starts_first  # W&B gives up on a server that is down after about 40 s: mostly waiting, overlapped
 @pytest.mark.parametrize("tracker", ["wandb", "mlflow"])
 def test_a_tracker_that_cannot_be_reached_costs_one_warning(default_project, tmp_path, tracker):
     nobody = f"http://127.0.0.1:{free_port()}"  # a server that is down
