@@ -4,6 +4,7 @@ helpers.py."""
 from __future__ import annotations
 
 import fcntl
+import importlib
 import importlib.util
 import shutil
 import sys
@@ -44,6 +45,13 @@ def bake(cookies_session):
         assert result.exit_code == 0, f"baking {answers} failed: {result.exception}"
         return result.project_path
     return _bake
+
+
+@pytest.fixture
+def baked_module(default_project, monkeypatch):
+    """Import a module of the default project's package into this process (what needs no torch.distributed)."""
+    monkeypatch.syspath_prepend(str(default_project))
+    return lambda name: importlib.import_module(f"ddp_training.{name}")
 
 
 @pytest.fixture(scope="session")

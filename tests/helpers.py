@@ -59,10 +59,9 @@ def free_port() -> int:
 def start_nodes(project: Path, node_args: list[list[str]], rdzv_id: str) -> list[str]:
     """Run ./run_node.sh once per "machine" on loopback (NNODES = len(node_args), one rank each), every one
     with the same environment, and return each one's output once all have exited 0."""
-    environment = tool_env(NNODES=str(len(node_args)), NPROC_PER_NODE="1",
-                           RDZV_ENDPOINT=f"127.0.0.1:{free_port()}", RDZV_ID=rdzv_id)
-    nodes = [subprocess.Popen(["./run_node.sh", *args], cwd=project, env=environment, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for args in node_args]
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [start_job(project, args, via="run_node.sh", nproc=1, NNODES=str(len(node_args)), RDZV_ENDPOINT=endpoint,
+                       RDZV_ID=rdzv_id) for args in node_args]
     outputs = [node.communicate(timeout=300)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0] * len(nodes), outputs
     return outputs
@@ -184,6 +183,12 @@ def assert_project_tests_pass(project: Path) -> None:
     result = run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=project, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert re.search(r"\b3 passed\b", result.stdout), result.stdout
+
+
+def readme_block(project: Path, language: str, section: str = "## Make it yours") -> str:
+    """The first ```language block of a baked project's README after the heading `section`."""
+    text = (project / "README.md").read_text()
+    return re.search(rf"```{language}\n(.*?)```", text[text.index(section):], re.DOTALL)[1]
 
 
 def with_task_code(project: Path, folder: Path, code: str) -> Path:

@@ -4,7 +4,6 @@ and benchmarks/gpu_check.py in its dry mode so the GPU check cannot rot."""
 
 from __future__ import annotations
 
-import importlib
 import shutil
 import sys
 from types import SimpleNamespace
@@ -13,13 +12,6 @@ import pytest
 import torch
 from helpers import TEMPLATE_ROOT, checkpoint, run, run_job, tiny_run
 from torch.utils.data import DataLoader
-
-
-@pytest.fixture
-def baked_module(default_project, monkeypatch):
-    """Import a module of the baked package into this process (no torch.distributed involved)."""
-    monkeypatch.syspath_prepend(str(default_project))
-    return lambda name: importlib.import_module(f"ddp_training.{name}")
 
 
 def test_auto_precision_is_bf16_only_where_the_gpu_computes_it_natively(baked_module, monkeypatch):

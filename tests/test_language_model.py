@@ -17,6 +17,7 @@ from helpers import (
     checkpoint,
     flags,
     kill_a_worker_and_finish,
+    readme_block,
     run,
     run_job,
     start_job,
@@ -116,8 +117,7 @@ def test_fsdp2_token_files_resume_on_another_world_size_and_export(bake, text_di
     assert sum("blocks." in name for name in weights) > 0 and not any(n.startswith("module.") for n in weights)
     # The README's loading lines, run as they are beside the export: the model rebuilt from model.json holds
     # model.safetensors' tensors, which are the .pt's, bit for bit.
-    readme = (project / "README.md").read_text()
-    loading = re.search(r"```python\n(.*?)```", readme[readme.index("### Weights others can load"):], re.DOTALL)[1]
+    loading = readme_block(project, "python", "### Weights others can load")
     reloaded = run(["python", "-c", loading + "\nimport torch\ntorch.save(model.state_dict(), 'reloaded.pt')\n"],
                    cwd=tmp_path, PYTHONPATH=str(project))
     assert reloaded.returncode == 0, reloaded.stderr[-3000:]

@@ -5,24 +5,18 @@ under DDP and under FSDP2."""
 
 from __future__ import annotations
 
-import re
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import kill_a_worker_and_finish, run, run_job, start_job, tiny_run
+from helpers import kill_a_worker_and_finish, readme_block, run, run_job, start_job, tiny_run
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 pytestmark = pytest.mark.slow  # torchrun jobs: `make test-fast` leaves these out
 
 EDITS = ["An EMA of the weights", "A backbone trained with SGD", "A loss weight annealed with the step"]
 RUN = dict(fake_samples=256, num_workers=0, max_steps=24, log_every=4)
-
-
-def readme_diff(project: Path, heading: str) -> str:
-    text = (project / "README.md").read_text()
-    return re.search(r"```diff\n(.*?)```", text[text.index(heading):], re.DOTALL)[1]
 
 
 def patch(project: Path, diff: str, *options: str) -> str:
@@ -61,9 +55,9 @@ def assert_same(actual, expected, path: str = "") -> None:
 def edited_project(bake) -> Path:
     project = bake(project_name="Loop Edits")
     for heading in EDITS:  # each applies to the project as baked
-        patch(project, readme_diff(project, heading), "--dry-run")
+        patch(project, readme_block(project, "diff", heading), "--dry-run")
     for heading in EDITS:  # and all three together
-        patch(project, readme_diff(project, heading))
+        patch(project, readme_block(project, "diff", heading))
     lint = run(["ruff", "check", "."], cwd=project)
     assert lint.returncode == 0, lint.stdout
     return project
@@ -102,5 +96,5 @@ def test_loop_edits_resume_bitwise_after_kill_9(edited_project, strategy, tmp_pa
 def test_the_task_independent_loop_edits_apply_to_the_language_model(bake):
     project = bake(task="language_model", project_name="Loop Edits LM")
     for heading in (EDITS[0], EDITS[2]):
-        patch(project, readme_diff(project, heading), "--dry-run")
+        patch(project, readme_block(project, "diff", heading), "--dry-run")
     assert EDITS[1] not in (project / "README.md").read_text()  # shown against the image task's optimizer

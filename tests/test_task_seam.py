@@ -19,18 +19,13 @@ from helpers import (
     checkpoint,
     flags,
     kill_a_worker_and_finish,
+    readme_block,
     run,
     run_job,
     start_job,
     tiny_run,
     with_task_code,
 )
-
-
-def readme_block(project: Path, language: str, section: str = "## Make it yours") -> str:
-    text = (project / "README.md").read_text()
-    text = text[text.index(section):]
-    return re.search(rf"```{language}\n(.*?)```", text, re.DOTALL)[1]
 
 
 def write_table(path: Path, rows: int, seed: int) -> None:

@@ -4,15 +4,13 @@ back bit for bit from model.safetensors, as the README shows, without the traini
 
 from __future__ import annotations
 
-import importlib
 import json
-import re
 import struct
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import checkpoint, free_port, kill_a_worker_and_finish, run_job, start_job, tiny_run
+from helpers import checkpoint, free_port, kill_a_worker_and_finish, readme_block, run_job, start_job, tiny_run
 
 # 2 ranks of 8 on 256 samples: 16 steps an epoch, a row every 2 steps, a checkpoint every 4.
 RUN = dict(fake_samples=256, num_workers=0, log_every=2)
@@ -132,22 +130,10 @@ def test_a_tracker_that_cannot_be_reached_costs_one_warning(default_project, tmp
     assert (tmp_path / "step-4.pt").exists() and "Traceback" not in result.stderr
 
 
-@pytest.fixture
-def baked(default_project, monkeypatch):
-    """Modules of the default project, imported into this process (export needs no torch.distributed)."""
-    monkeypatch.syspath_prepend(str(default_project))
-    return lambda name: importlib.import_module(f"ddp_training.{name}")
-
-
-def readme_python_block(project: Path, section: str) -> str:
-    text = (project / "README.md").read_text()
-    return re.search(r"```python\n(.*?)```", text[text.index(section):], re.DOTALL)[1]
-
-
 @pytest.mark.slow
-def test_exported_safetensors_load_back_bitwise_as_the_readme_shows(default_project, uninterrupted_bare, baked,
-                                                                    tmp_path, monkeypatch, capsys):
-    baked("export").main([str(uninterrupted_bare / "step-40.pt"), str(tmp_path / "model.pt")])
+def test_exported_safetensors_load_back_bitwise_as_the_readme_shows(default_project, uninterrupted_bare,
+                                                                    baked_module, tmp_path, monkeypatch, capsys):
+    baked_module("export").main([str(uninterrupted_bare / "step-40.pt"), str(tmp_path / "model.pt")])
     assert "to " + str(tmp_path / "model.pt") + ", model.safetensors and model.json" in capsys.readouterr().out
     saved = json.loads((tmp_path / "model.json").read_text())
     assert saved == {"step": 40, "task": {"data": "fake", "data_dir": "data", "fake_samples": 512,
@@ -155,7 +141,7 @@ def test_exported_safetensors_load_back_bitwise_as_the_readme_shows(default_proj
     # The README's lines, run as they are in the folder the export wrote.
     monkeypatch.chdir(tmp_path)
     namespace = {}
-    exec(readme_python_block(default_project, "### Weights others can load"), namespace)  # noqa: S102
+    exec(readme_block(default_project, "python", "### Weights others can load"), namespace)  # noqa: S102
     expected = checkpoint(uninterrupted_bare, 40)["model"]
     loaded = namespace["model"].state_dict()
     assert loaded.keys() == expected.keys()
@@ -163,12 +149,12 @@ def test_exported_safetensors_load_back_bitwise_as_the_readme_shows(default_proj
         assert torch.equal(loaded[name], tensor), name
 
 
-def test_tied_weights_are_exported_as_copies_that_load_back_into_the_tie(baked, tmp_path):
+def test_tied_weights_are_exported_as_copies_that_load_back_into_the_tie(baked_module, tmp_path):
     from safetensors.torch import load_file, save_file
 
     model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
     model[1].weight = model[0].weight  # an output layer tied to the embedding, as in many language models
-    save_file(baked("export").one_storage_each(model.state_dict()), tmp_path / "tied.safetensors")
+    save_file(baked_module("export").one_storage_each(model.state_dict()), tmp_path / "tied.safetensors")
     copy = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
     copy[1].weight = copy[0].weight
     copy.load_state_dict(load_file(tmp_path / "tied.safetensors"))
