@@ -22,7 +22,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from .checkpoint import list_checkpoints, list_sharded_checkpoints, missing_pieces
-from .checkpoint.sharded import OPTIONS_FILE
+from .checkpoint.sharded import saved_options
 from .task import TaskOptions
 
 
@@ -48,9 +48,7 @@ def load_checkpoint(checkpoint: Path) -> tuple[dict[str, torch.Tensor], dict, in
             whole = Path(scratch) / "whole.pt"
             dcp_to_torch_save(checkpoint, whole)
             state = torch.load(whole, weights_only=True)
-        options_file = checkpoint / OPTIONS_FILE
-        options = json.loads(options_file.read_text()) if options_file.exists() else {}
-        return state["model"], options, int(state["progress"]["step"])
+        return state["model"], saved_options(checkpoint) or {}, int(state["progress"]["step"])
     state = torch.load(checkpoint, map_location="cpu", weights_only=True)
     return state["model"], state.get("options", {}), int(state["step"])
 

@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import queue
-import tempfile
 import threading
 import uuid
 from pathlib import Path
@@ -61,13 +60,13 @@ class RunRecord:
         return True
 
     def save(self, run_id: str | None = None) -> None:
+        """Written whole, as failure.py's crash record is: a kill leaves the old record or the new one."""
         if run_id is not None:
             self.state["run_id"] = run_id
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=self.path.parent, prefix=".tracker.json.")
-        with os.fdopen(handle, "w") as file:
-            json.dump(self.state, file)
-        os.replace(temporary, self.path)  # atomic: a kill leaves the old record or the new one
+        partial = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+        partial.write_text(json.dumps(self.state))
+        os.replace(partial, self.path)
 
 
 class WandbRun:
@@ -121,13 +120,14 @@ TRACKERS = {"wandb": WandbRun, "mlflow": MlflowRun}
 
 
 class Tracker:
-    """Rank 0's tracker run, fed by a background thread; on other ranks, or with --tracker tensorboard or none,
-    nothing. Every failure is one warning, after which rows are dropped."""
+    """Rank 0's tracker run (metrics.py's MetricsLog, which holds it, exists on rank 0 only), fed by a
+    background thread; with --tracker tensorboard or none, nothing. Every failure is one warning, after which
+    rows are dropped."""
 
     def __init__(self, options: TrainOptions, env: DistEnv, resumed_step: int, changes: list[str]):
         self.rows: queue.Queue = queue.Queue(maxsize=10_000)  # full (a tracker far behind): rows are dropped
         self.thread, self.failed = None, False
-        if options.tracker not in TRACKERS or not env.is_main_process:
+        if options.tracker not in TRACKERS:
             return
         if options.tracker == "mlflow":  # a server that is down: a few seconds per request, not minutes
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")

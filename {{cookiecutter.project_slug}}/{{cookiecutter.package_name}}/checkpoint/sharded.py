@@ -37,6 +37,12 @@ def list_sharded_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
+def saved_options(folder: Path) -> dict | None:
+    """The TrainOptions a step-<N>/ folder was saved with (None: saved before options were recorded)."""
+    path = folder / OPTIONS_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def missing_pieces(folder: Path) -> str | None:
     """Why a checkpoint folder cannot be loaded (no metadata, a shard file missing or cut short), or None.
 
@@ -127,8 +133,7 @@ class ShardedCheckpointer(Checkpointer):
         candidates = broadcast_object(candidates)
         if not candidates:
             return None
-        saved_options = candidates[0] / OPTIONS_FILE
-        return candidates[0], json.loads(saved_options.read_text()) if saved_options.exists() else None
+        return candidates[0], saved_options(candidates[0])
 
     def saved_entries(self, source: Path) -> tuple[set[str], set[str]]:
         top_level, progress_fields = saved_names(source)
