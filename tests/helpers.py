@@ -3,6 +3,7 @@ checkpoints. Fixtures and pytest hooks live in conftest.py."""
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib.util
 import logging
@@ -183,6 +184,16 @@ def assert_project_tests_pass(project: Path) -> None:
     result = run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=project, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert re.search(r"\b3 passed\b", result.stdout), result.stdout
+
+
+def smoke_test_args(project: Path) -> list[str]:
+    """The baked project's task.py SMOKE_TEST_ARGS, the tiny run its own tests train, read without importing
+    torch: a test that launches that run itself checks what those tests check for the price of its own launch."""
+    [task] = project.glob("*/task.py")
+    for node in ast.parse(task.read_text()).body:
+        if isinstance(node, ast.Assign) and [target.id for target in node.targets] == ["SMOKE_TEST_ARGS"]:
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"{task} has no SMOKE_TEST_ARGS")
 
 
 def readme_block(project: Path, language: str, section: str = "## Make it yours") -> str:

@@ -53,8 +53,9 @@ def torchrun_may_fail(project: Path, ckpt_dir: Path, **options: object):
 def test_each_rank_resumes_its_own_cpu_random_state(default_project, tmp_path):
     project = with_task_code(default_project, tmp_path, PER_RANK_DRAWS)
     torchrun(project, tmp_path / "uninterrupted", model="per_rank_draws", max_steps=8)
-    torchrun(project, tmp_path / "resumed", model="per_rank_draws", max_steps=4)
-    torchrun(project, tmp_path / "resumed", model="per_rank_draws", max_steps=8)
+    (tmp_path / "resumed").mkdir()  # resumed from the uninterrupted run's step 4, as its own restart would be
+    shutil.copy(tmp_path / "uninterrupted" / "step-4.pt", tmp_path / "resumed")
+    assert "resuming from" in torchrun(project, tmp_path / "resumed", model="per_rank_draws", max_steps=8).stderr
     resumed, uninterrupted = checkpoint(tmp_path / "resumed", 8), checkpoint(tmp_path / "uninterrupted", 8)
     assert_bitwise_equal(resumed, uninterrupted)
     rank_states = [torch.tensor(state, dtype=torch.uint8) for state in uninterrupted["cpu_rng_states"]]

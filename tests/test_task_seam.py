@@ -22,6 +22,7 @@ from helpers import (
     readme_block,
     run,
     run_job,
+    smoke_test_args,
     start_job,
     tiny_run,
     with_task_code,
@@ -75,7 +76,7 @@ def test_a_bug_in_evaluation_shows_before_the_first_step(default_project, tmp_pa
     project = shutil.copytree(default_project, tmp_path / "project")
     task = project / "ddp_training" / "task.py"
     task.write_text(task.read_text().replace('sums["correct"]', 'sums["corect"]'))  # a typo a user might make
-    result = run_job(project, tiny_run(num_workers=0, ckpt_dir=tmp_path))
+    result = run_job(project, tiny_run(num_workers=0, ckpt_dir=tmp_path), nproc=1)
     assert result.returncode != 0
     assert "KeyError: 'corect'" in result.stderr, result.stderr[-3000:]
     assert "| loss " not in result.stderr, "no training step before the evaluation path has run once"
@@ -84,16 +85,16 @@ def test_a_bug_in_evaluation_shows_before_the_first_step(default_project, tmp_pa
 @pytest.mark.slow
 def test_a_usage_error_is_printed_once_per_job_and_its_retries_are_silent(default_project, tmp_path):
     # torchrun as PID 1 of a pid namespace, as in a Kubernetes pod, where a signal from a child is ignored: the
-    # job must not depend on ending its launcher. Each of the 4 attempts fails (exit 1, not 137: a killed job
-    # would be requeued), and only the first says why, once, also to the file train.sbatch reads.
+    # job must not depend on ending its launcher. Both attempts fail (exit 1, not 137: a killed job would be
+    # requeued), and only the first says why, once, also to the file train.sbatch reads.
     as_pid_1 = ("unshare", "--pid", "--fork", "--mount-proc") if os.geteuid() == 0 else ()
-    result = run_job(default_project, ["--model", "nope", "--ckpt-dir", str(tmp_path)], max_restarts=3,
+    result = run_job(default_project, ["--model", "nope", "--ckpt-dir", str(tmp_path)], max_restarts=1,
                      prefix=as_pid_1, STOP_REQUEUE_FILE=str(tmp_path / "stop-requeue"))
     output = result.stdout + result.stderr
     assert result.returncode == 1, output
     ours = [line for line in output.splitlines() if line.startswith("error: ")]
     assert len(ours) == 1 and ours[0].startswith("error: --model 'nope' is not registered"), output
-    assert len(re.findall(r"failed \(exitcode: 1\) local_rank: \d", output)) == 4, output  # every attempt ran
+    assert len(re.findall(r"failed \(exitcode: 1\) local_rank: \d", output)) == 2, output  # the retry ran
     assert (tmp_path / "stop-requeue").read_text() == ours[0] + "\n"
     assert not (tmp_path / ".crashes").exists(), "a usage error is not a crash to compare with the next"
 
@@ -136,12 +137,13 @@ def test_evaluation_sums_any_shape_and_a_collective_in_it_does_not_hang(default_
     assert metrics["confusion_accuracy"] == metrics["accuracy"], line
 
 
-def trains_resumes_bitwise_after_kill_9_and_passes_its_tests(project: Path, tmp_path: Path, args: list[str]) -> None:
-    """2 ranks to the end (metrics in tmp_path/logs), and again with a worker killed (kill -9) after the first
-    checkpoint: torchrun restarts the group, and the last checkpoints agree bit for bit. Then the project's own
-    smoke tests."""
+def trains_learns_and_resumes_bitwise_after_kill_9(project: Path, tmp_path: Path, *args: str) -> list[dict]:
+    """The project's own tiny run (task.py's SMOKE_TEST_ARGS, plus `args`) on 2 ranks to the end, and again with
+    a worker killed (kill -9) after the first checkpoint: torchrun restarts the group, and the last checkpoints
+    agree bit for bit. What the project's own smoke tests check, here without their two launches more: the
+    tiny run trains, its loss falls, and a restart continues it. Returns the uninterrupted run's metric rows."""
     def run_args(ckpt_dir: Path) -> list[str]:
-        return [*args, *flags(ckpt_every=4, keep_checkpoints=100, ckpt_dir=ckpt_dir)]
+        return [*smoke_test_args(project), *args, *flags(ckpt_every=4, keep_checkpoints=100, ckpt_dir=ckpt_dir)]
     uninterrupted = run_job(project, [*run_args(tmp_path / "uninterrupted"), "--log-dir", str(tmp_path / "logs")])
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-4000:]
     killed = start_job(project, run_args(tmp_path / "killed"), max_restarts=1)
@@ -150,7 +152,10 @@ def trains_resumes_bitwise_after_kill_9_and_passes_its_tests(project: Path, tmp_
     resumed, expected = checkpoint(tmp_path / "killed", final), checkpoint(tmp_path / "uninterrupted", final)
     assert_bitwise_equal(resumed, expected)
     assert resumed["cpu_rng_states"] == expected["cpu_rng_states"]
-    assert_project_tests_pass(project)
+    rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    losses = [row["loss"] for row in rows if row["kind"] == "train"]
+    assert losses[-1] < 0.7 * losses[0], losses  # the smoke tests' own bar: learnable in a few dozen steps
+    return rows
 
 
 def apply_readme_example(project: Path, tmp_path: Path, section: str) -> None:
@@ -164,14 +169,12 @@ def apply_readme_example(project: Path, tmp_path: Path, section: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.starts_first  # with the project's own tests: one of the longest
+@pytest.mark.starts_first  # two launches, one with a restart: among the longest
 def test_readme_dict_batch_example_trains_resumes_and_counts_words(bake, tmp_path):
     project = bake(project_name="Word Tags")
     apply_readme_example(project, tmp_path, "### Dict batches of many lengths")
-    args = flags(data="tagged", model="tagger", num_classes=4, fake_samples=512, batch_size=16, num_workers=0,
-                 device="cpu", lr=0.5, log_every=8, max_steps=24)
-    trains_resumes_bitwise_after_kill_9_and_passes_its_tests(project, tmp_path, args)
-    rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert "--data tagged --fake-samples 512 --batch-size 16 --model tagger" in " ".join(smoke_test_args(project))
+    rows = trains_learns_and_resumes_bitwise_after_kill_9(project, tmp_path, *flags(log_every=8, max_steps=24))
     evaluation = [row for row in rows if row["kind"] == "eval"][0]  # after epoch 0
     assert evaluation["accuracy"] > 0.6 and 500 < evaluation["tokens"] < 128 * 12, evaluation  # words, no padding
     assert all("tokens_per_sec" in row for row in rows if row["kind"] == "train")
@@ -191,17 +194,17 @@ def summarize(sums, outputs):
 
 
 @pytest.mark.slow
-@pytest.mark.starts_first  # with the project's own tests: one of the longest
+@pytest.mark.starts_first  # two launches, one with a restart: among the longest
 def test_readme_whole_set_metric_example_gathers_every_row_once(bake, tmp_path):
     project = bake(project_name="Auc Check")
     apply_readme_example(project, tmp_path, "### A metric over the whole held-out set")
     task = project / "auc_check" / "task.py"
     task.write_text(task.read_text() + EVERY_ROW_ONCE)
-    # 129 held-out samples on 2 ranks: 9 batches of 8 against 8 (the short rank repeats one, uncounted).
-    args = tiny_run(num_classes=2, fake_samples=516, num_workers=0, log_every=None, ckpt_every=None,
-                    keep_checkpoints=None)
-    trains_resumes_bitwise_after_kill_9_and_passes_its_tests(project, tmp_path, args)
-    rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert "--num-classes 2" in " ".join(smoke_test_args(project))
+    # 129 held-out samples on 2 ranks: 5 batches of 16 against 4 (the short rank repeats one, uncounted); 16
+    # steps an epoch.
+    rows = trains_learns_and_resumes_bitwise_after_kill_9(project, tmp_path,
+                                                          *flags(fake_samples=516, log_every=4, max_steps=24))
     evaluations = [row for row in rows if row["kind"] == "eval"]  # after epoch 0 and at the end
     assert len(evaluations) == 2 and all(row["samples"] == 129 and 0.5 < row["auc"] <= 1 for row in evaluations), \
         evaluations
@@ -225,7 +228,7 @@ def collate(samples):
 def test_a_bug_in_task_code_is_reported_once_per_job_and_not_retrained(default_project, tmp_path):
     project = with_task_code(default_project, tmp_path, COLLATE_BUG)
     stop_requeue = tmp_path / "slurm-1.bug"
-    result = run_job(project, tiny_run(num_workers=1, max_steps=100, ckpt_dir=tmp_path / "ckpt"), max_restarts=3,
+    result = run_job(project, tiny_run(num_workers=1, max_steps=100, ckpt_dir=tmp_path / "ckpt"), max_restarts=2,
                      STOP_REQUEUE_FILE=str(stop_requeue))
     assert result.returncode != 0
     output = result.stdout + result.stderr
@@ -235,7 +238,7 @@ def test_a_bug_in_task_code_is_reported_once_per_job_and_not_retrained(default_p
     bug_lines = [line for line in ours.splitlines() if line.startswith("error: ")]
     assert len(bug_lines) == 1 and "a bug, not a fault, so the job is not retried" in bug_lines[0], output
     assert stop_requeue.read_text() == bug_lines[0] + "\n"  # for train.sbatch: no requeue
-    # Attempts 0 and 1 trained (a retry may meet a transient fault's end); 2 and 3 ended before training.
+    # Attempts 0 and 1 trained (a retry may meet a transient fault's end); 2 ended before training.
     assert [int(n) for n in re.findall(r"run_id=\S+ restart=(\d)", ours)] == [0, 1], output
 
 
@@ -246,6 +249,6 @@ def test_a_transient_exception_is_retried(default_project, tmp_path):
     project = with_task_code(default_project, tmp_path, COLLATE_BUG.replace(
         "int(labels.sum()) % 7 == 3", f"int(labels.sum()) % 7 == 3 and not Path({str(once)!r}).exists()"
         f" and Path({str(once)!r}).touch() is None"))
-    result = run_job(project, tiny_run(num_workers=0, ckpt_dir=tmp_path / "ckpt"), max_restarts=3)
+    result = run_job(project, tiny_run(num_workers=0, ckpt_dir=tmp_path / "ckpt"), nproc=1, max_restarts=3)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "restart=1" in result.stderr and "a bug, not a fault" not in result.stderr

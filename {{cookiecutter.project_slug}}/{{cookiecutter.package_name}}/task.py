@@ -53,7 +53,7 @@ THROUGHPUT_UNIT = "samples"
 # The tests in tests/ train with these (plus --ckpt-dir, --max-steps ...): keep them tiny and learnable, so the
 # smoke tests still pass after you change this file.
 SMOKE_TEST_ARGS = ["--data", "fake", "--fake-samples", "512", "--image-size", "16", "--batch-size", "16",
-                   "--model", "resnet18", "--num-workers", "0", "--device", "cpu", "--lr", "0.005"]
+                   "--model", "small_cnn", "--num-workers", "0", "--device", "cpu", "--lr", "0.005"]
 {%- else -%}
 """What is trained: the task's options, datasets, model, optimizer, loss and evaluation metrics.
 
