@@ -173,12 +173,6 @@ def test_torn_newest_folder_and_partial_save_fall_back_to_the_previous(fsdp_proj
         assert torch.equal(actual[name], tensor), name
 
 
-def test_fp16_with_fsdp2_is_one_clear_line(fsdp_project, tmp_path):
-    result = run_job(fsdp_project, tiny_run(**RUN, precision="fp16", ckpt_dir=tmp_path), via="python", nproc=1)
-    assert result.returncode == 1
-    assert result.stderr.startswith("error: --precision fp16 needs a gradient scaler"), result.stderr
-
-
 def test_accumulation_clipping_and_uneven_evaluation_match_ddp(fsdp_project, tmp_path):
     """Gradient sync switched off between micro-batches, clipping of sharded gradients, and evaluation on
     shards of different batch counts (65 held-out samples: 33 and 32, batches of 16) under FSDP2, against
