@@ -17,7 +17,7 @@ from helpers import bare_torchrun
 @pytest.hookimpl(trylast=True)  # after pytest-xdist's own, which tags each grouped test with its group
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Longest work first, so that `make test`'s xdist workers finish together instead of one running a long
-    test alone at the end: the GPU check's dry run (about 75 s of CPU), then the xdist groups (each is one
+    test alone at the end: the GPU check's dry run (about 50 s of CPU), then the xdist groups (each is one
     worker's work, test after test), then the other torchrun tests, then the in-process ones."""
     if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
         lost = [item.nodeid for item in items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
