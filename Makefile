@@ -46,7 +46,7 @@ TEST_WORKERS ?= 3
 test: $(INSTALLED) lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup tests
 
-# For edit loops: everything that starts no torchrun job, plus one 2-rank training run (half a minute to a minute).
+# For edit loops: everything that starts no torchrun job, plus one 2-rank training run (30 to 70 seconds).
 test-fast: $(INSTALLED) lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not slow" tests
 
