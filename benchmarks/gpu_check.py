@@ -164,13 +164,16 @@ class Check:
         dropout = ["--model", "mobilenet_v3_small", "--image-size", "32", "--batch-size", "32", "--deterministic",
                    "--keep-checkpoints", "10", "--ckpt-every", "4"]
         whole, halves = self.scratch / "resume-whole", self.scratch / "resume-halves"
-        for folder in (whole, halves):  # halves resumes from a copy of whole's step 4: a run stopped there
-            if folder is halves:
-                (halves / "checkpoints").mkdir(parents=True)
-                shutil.copy(whole / "checkpoints" / "step-4.pt", halves / "checkpoints")
-            ok, output = self.command(self.torchrun("train.py", *self.train_args(folder.name, *dropout, steps=8)))
-            if not ok:
-                return Row(case, "FAIL", notes=last_error(output))
+
+        def train_to_step_8(folder: Path) -> tuple[bool, str]:
+            return self.command(self.torchrun("train.py", *self.train_args(folder.name, *dropout, steps=8)))
+        ok, output = train_to_step_8(whole)
+        if ok:  # halves resumes from a copy of whole's step 4: a run stopped there
+            (halves / "checkpoints").mkdir(parents=True)
+            shutil.copy(whole / "checkpoints" / "step-4.pt", halves / "checkpoints")
+            ok, output = train_to_step_8(halves)
+        if not ok:
+            return Row(case, "FAIL", notes=last_error(output))
         if "resuming from" not in output:
             return Row(case, "FAIL", notes="the second run did not resume")
         import torch  # here: the rows above need no torch in this process

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import importlib.util
+import json
 import logging
 import os
 import pty
@@ -323,6 +324,11 @@ def checkpoint(ckpt_dir: Path, step: int) -> dict:
     import torch
 
     return torch.load(ckpt_dir / f"step-{step}.pt", weights_only=True)
+
+
+def metric_rows(log_dir: Path) -> list[dict]:
+    """The rows a run wrote to --log-dir's metrics.jsonl, in order."""
+    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def assert_bitwise_equal(actual: dict, expected: dict) -> None:

@@ -5,7 +5,6 @@ restart it."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -19,6 +18,7 @@ from helpers import (
     checkpoint,
     flags,
     kill_a_worker_and_finish,
+    metric_rows,
     readme_block,
     run,
     run_job,
@@ -152,7 +152,7 @@ def trains_learns_and_resumes_bitwise_after_kill_9(project: Path, tmp_path: Path
     resumed, expected = checkpoint(tmp_path / "killed", final), checkpoint(tmp_path / "uninterrupted", final)
     assert_bitwise_equal(resumed, expected)
     assert resumed["cpu_rng_states"] == expected["cpu_rng_states"]
-    rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(tmp_path / "logs")
     losses = [row["loss"] for row in rows if row["kind"] == "train"]
     assert losses[-1] < 0.7 * losses[0], losses  # the smoke tests' own bar: learnable in a few dozen steps
     return rows

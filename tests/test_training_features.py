@@ -4,7 +4,6 @@ clipping, the LR schedule, compile, and what a run records (metrics.jsonl, Tenso
 from __future__ import annotations
 
 import fcntl
-import json
 import math
 import os
 import pty
@@ -15,7 +14,7 @@ import termios
 from pathlib import Path
 
 import pytest
-from helpers import assert_trains_like_bare, checkpoint, run, run_job, tiny_run, tool_env
+from helpers import assert_trains_like_bare, checkpoint, metric_rows, run, run_job, tiny_run, tool_env
 
 pytestmark = pytest.mark.slow  # torchrun jobs: `make test-fast` leaves these out
 
@@ -33,10 +32,6 @@ def torchrun(project: Path, nproc: int, **options: object) -> subprocess.Complet
 def max_difference(first: dict, second: dict) -> float:
     assert first.keys() == second.keys()
     return max((first[name] - second[name]).abs().max().item() for name in first)
-
-
-def metric_rows(log_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
