@@ -246,6 +246,36 @@ def test_a_node_that_leaves_and_one_that_joins_later_meet_no_stale_keys(default_
     assert_bitwise_equal(checkpoint(tmp_path / "ckpt", 40), checkpoint(uninterrupted_bare, 40))
 
 
+RANK_0_FINDS_ITS_PORT_TAKEN = """
+import os
+import socket
+if os.environ.get("RANK") == "0" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+    # Another process takes the port torchrun gave rank 0 for its store before rank 0 listens there. Where
+    # torchrun's own store already listens on it (a shared store), nothing can take it.
+    try:
+        squatter = socket.create_server(("", int(os.environ["MASTER_PORT"])))
+    except OSError:
+        pass
+"""
+
+
+@pytest.mark.parametrize("endpoint", [False, True], ids=["one_machine", "rdzv_endpoint"])
+def test_a_port_taken_before_rank_0_listens_costs_at_most_a_restart(default_project, tmp_path, endpoint):
+    # run_node.sh on one machine keeps torchrun's shared store; with RDZV_ENDPOINT it unshares it (so machines
+    # can join), and torchrun then picks a free port that rank 0 binds only seconds later (pytorch#126510).
+    rendezvous = dict(NNODES="1", RDZV_ENDPOINT=f"127.0.0.1:{free_port()}") if endpoint else {}
+    result = run_job(default_project, tiny_run(max_steps=4, num_workers=0, ckpt_dir=tmp_path), via="run_node.sh",
+                     max_restarts=1, **rendezvous, **with_fault(tmp_path, RANK_0_FINDS_ITS_PORT_TAKEN))
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    taken = "was taken by another process before rank 0 could listen on it (pytorch/pytorch#126510); torchrun " \
+            "restarts the group"
+    assert output.count(taken) == endpoint, output
+    assert "lost another rank" not in output, output
+    assert ("restart=1" in output) == endpoint, output
+    assert (tmp_path / "step-4.pt").exists(), output
+
+
 RANK_1_HANGS_AFTER_STEP_10 = """
 import contextlib
 import os

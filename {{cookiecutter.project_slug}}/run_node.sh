@@ -16,7 +16,7 @@
 #   MAX_RESTARTS    times torchrun restarts the worker group after a failure (default {{ cookiecutter.max_restarts }})
 #   RDZV_TIMEOUT    seconds to wait for all machines to join before giving up (default 900)
 #   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds torchrun gives workers to save after SIGTERM (default 100)
-#   TORCH_DISABLE_SHARE_RDZV_TCP_STORE  1 (default): machines may join a running elastic job
+#   TORCH_DISABLE_SHARE_RDZV_TCP_STORE  1 (default with RDZV_ENDPOINT): machines may join a running elastic job
 #   GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME   network interface for gloo / NCCL (default: the one toward
 #                   RDZV_ENDPOINT, found with `ip route get`)
 set -euo pipefail
@@ -44,12 +44,6 @@ MAX_NODES="${NNODES#*:}"
 # exit before SIGKILL; its own default, 30 s, cuts short a large checkpoint. Keep it below the grace the
 # scheduler gives (slurm/train.sbatch: --signal=TERM@120; k8s: terminationGracePeriodSeconds 120).
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-100}"
-# torchrun (up to at least 2.14) shares its rendezvous store with the workers, and a machine that joins a
-# running elastic job then waits 60 s for a worker-store address that the remaining rank-0 machine never
-# publishes for the new round, and fails. Unshared, every round publishes it afresh. (train.py runs either
-# way: it starts a fresh store for every attempt.)
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
-
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
 ENTRY_POINT=(train.py)
@@ -62,10 +56,18 @@ if [[ -z "$RDZV_ENDPOINT" ]]; then
   if [[ "$MAX_NODES" != 1 ]]; then
     fail "NNODES=$NNODES needs RDZV_ENDPOINT=host:port, the same on every machine (e.g. RDZV_ENDPOINT=node0:$DEFAULT_RDZV_PORT)"
   fi
-  # One machine: torchrun runs its own rendezvous on a free local port.
+  # One machine: torchrun runs its own rendezvous on a free local port, and its workers share that store. (Unshared,
+  # torchrun would pick a free port for rank 0 to listen on seconds later, and another job on this machine can
+  # take it in between: pytorch/pytorch#126510.)
   exec torchrun --standalone --nnodes=1 --nproc-per-node="$NPROC_PER_NODE" \
     --max-restarts="$MAX_RESTARTS" "${ENTRY_POINT[@]}" "$@"
 fi
+
+# torchrun (up to at least 2.14) shares its rendezvous store with the workers, and a machine that joins a
+# running elastic job then waits 60 s for a worker-store address that the remaining rank-0 machine never
+# publishes for the new round, and fails. Unshared, every round publishes it afresh. (train.py runs either
+# way: it starts a fresh store for every attempt.)
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 
 if [[ "$RDZV_ENDPOINT" != *:* ]]; then
   RDZV_ENDPOINT="$RDZV_ENDPOINT:$DEFAULT_RDZV_PORT"

@@ -167,6 +167,16 @@ def nccl_flight_recorder_settings() -> dict[str, str]:
             "TORCH_FR_DUMP_TEMP_FILE": str(folder / "nccl_trace_rank_")}
 
 
+class PortTaken(RuntimeError):
+    """Without a shared store, torchrun picks a free port for rank 0's store when an attempt starts, and rank 0
+    listens on it seconds later; another process on that machine can take it in between
+    (pytorch/pytorch#126510). A fault of this attempt: the next one gets another port."""
+
+    def __init__(self, port: int):
+        super().__init__(f"port {port}, which torchrun chose for this attempt's store, was taken by another "
+                         "process before rank 0 could listen on it (pytorch/pytorch#126510)")
+
+
 def store_of_this_attempt(env: DistEnv, timeout: timedelta) -> tuple[dist.Store, StoreAddress]:
     """A TCPStore that no earlier attempt of this job has written to, and where it listens.
 
@@ -183,8 +193,13 @@ def store_of_this_attempt(env: DistEnv, timeout: timedelta) -> tuple[dist.Store,
     """
     master = StoreAddress(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     if not env.store_shared_across_restarts:
-        store = dist.TCPStore(master.host, master.port, env.world_size, is_master=env.is_main_process,
-                              timeout=timeout, multi_tenant=True)
+        try:
+            store = dist.TCPStore(master.host, master.port, env.world_size, is_master=env.is_main_process,
+                                  timeout=timeout, multi_tenant=True)
+        except dist.DistNetworkError as error:
+            if env.is_main_process and "EADDRINUSE" in str(error):
+                raise PortTaken(master.port) from error
+            raise
         return store, master
     shared = master.connect(timeout)
     key = f"ddp-template/{env.run_id}/store-of-this-attempt"

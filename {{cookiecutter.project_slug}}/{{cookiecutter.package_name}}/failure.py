@@ -34,7 +34,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from .checkpoint import list_checkpoints, list_sharded_checkpoints
-from .distributed import DistEnv
+from .distributed import DistEnv, PortTaken
 from .options import UsageError
 from .watchdog import REPORTING_A_HANG, process_identity
 
@@ -210,6 +210,9 @@ def end_attempt_after(error: Exception, record: CrashRecord | None, env: DistEnv
     """Called with the exception that ended train(); returns if Python should print its traceback, else
     exits with status 1 after at most one line."""
     prefix = f"[rank {env.rank}] " if env.world_size > 1 else ""
+    if isinstance(error, PortTaken):  # before is_lost_peer: the cause, a DistNetworkError, is no lost peer
+        sys.stderr.write(f"{prefix}{error}; torchrun restarts the group\n")
+        sys.exit(1)
     if is_lost_peer(error):
         if REPORTING_A_HANG.is_set():  # this rank's watchdog names the rank that stopped, then ends the process
             time.sleep(60)
