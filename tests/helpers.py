@@ -52,10 +52,17 @@ def run(command: list[str], cwd: Path, timeout: float = 300, **env: str) -> subp
 
 
 def free_port() -> int:
-    """A TCP port nothing listens on now, for a rendezvous endpoint on loopback."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A TCP port nothing listens on now, for a rendezvous endpoint on loopback. Just below the kernel's
+    ephemeral range, which a port of its choosing (bind to port 0, as this used to) is in: there the other
+    jobs' connections and stores could take it before torchrun binds it, seconds later."""
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    lowest_ephemeral = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
+    for _ in range(100):
+        port = random.randrange(lowest_ephemeral - 2000, lowest_ephemeral)
+        with socket.socket() as probe, contextlib.suppress(OSError):
+            probe.bind(("127.0.0.1", port))
+            return port
+    raise RuntimeError(f"no free TCP port in {lowest_ephemeral - 2000}-{lowest_ephemeral - 1}")
 
 
 def start_nodes(project: Path, node_args: list[list[str]], rdzv_id: str) -> list[str]:
