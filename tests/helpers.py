@@ -56,13 +56,15 @@ def free_port() -> int:
     ephemeral range, which a port of its choosing (bind to port 0, as this used to) is in: there the other
     jobs' connections and stores could take it before torchrun binds it, seconds later."""
     ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
-    lowest_ephemeral = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
+    low, high = map(int, ephemeral.read_text().split()) if ephemeral.exists() else (32768, 60999)
+    # Below the range, or above it where the range starts too low (some containers start it at 1024).
+    band = range(low - 2000, low) if low - 2000 >= 1024 else range(high + 1, min(high + 2001, 65536))
     for _ in range(100):
-        port = random.randrange(lowest_ephemeral - 2000, lowest_ephemeral)
+        port = random.choice(band)
         with socket.socket() as probe, contextlib.suppress(OSError):
             probe.bind(("127.0.0.1", port))
             return port
-    raise RuntimeError(f"no free TCP port in {lowest_ephemeral - 2000}-{lowest_ephemeral - 1}")
+    raise RuntimeError(f"no free TCP port in {band.start}-{band.stop - 1}, outside the ephemeral range {low}-{high}")
 
 
 def start_nodes(project: Path, node_args: list[list[str]], rdzv_id: str) -> list[str]:

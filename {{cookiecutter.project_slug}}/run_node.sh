@@ -16,7 +16,7 @@
 #   MAX_RESTARTS    times torchrun restarts the worker group after a failure (default {{ cookiecutter.max_restarts }})
 #   RDZV_TIMEOUT    seconds to wait for all machines to join before giving up (default 900)
 #   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds torchrun gives workers to save after SIGTERM (default 100)
-#   TORCH_DISABLE_SHARE_RDZV_TCP_STORE  1 (default with RDZV_ENDPOINT): machines may join a running elastic job
+#   TORCH_DISABLE_SHARE_RDZV_TCP_STORE  1 (default with RDZV_ENDPOINT; unset on one machine): machines may join a running elastic job
 #   GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME   network interface for gloo / NCCL (default: the one toward
 #                   RDZV_ENDPOINT, found with `ip route get`)
 set -euo pipefail
@@ -56,9 +56,11 @@ if [[ -z "$RDZV_ENDPOINT" ]]; then
   if [[ "$MAX_NODES" != 1 ]]; then
     fail "NNODES=$NNODES needs RDZV_ENDPOINT=host:port, the same on every machine (e.g. RDZV_ENDPOINT=node0:$DEFAULT_RDZV_PORT)"
   fi
-  # One machine: torchrun runs its own rendezvous on a free local port, and its workers share that store. (Unshared,
-  # torchrun would pick a free port for rank 0 to listen on seconds later, and another job on this machine can
-  # take it in between: pytorch/pytorch#126510.)
+  # One machine: torchrun runs its own rendezvous on a free local port, and its workers share that store, also
+  # if TORCH_DISABLE_SHARE_RDZV_TCP_STORE came from the environment (nothing can join a standalone job). Unshared,
+  # torchrun would pick a free port for rank 0 to listen on seconds later, and another job on this machine could
+  # take it in between (pytorch/pytorch#126510).
+  unset TORCH_DISABLE_SHARE_RDZV_TCP_STORE
   exec torchrun --standalone --nnodes=1 --nproc-per-node="$NPROC_PER_NODE" \
     --max-restarts="$MAX_RESTARTS" "${ENTRY_POINT[@]}" "$@"
 fi

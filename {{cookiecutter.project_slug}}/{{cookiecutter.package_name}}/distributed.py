@@ -197,7 +197,9 @@ def store_of_this_attempt(env: DistEnv, timeout: timedelta) -> tuple[dist.Store,
             store = dist.TCPStore(master.host, master.port, env.world_size, is_master=env.is_main_process,
                                   timeout=timeout, multi_tenant=True)
         except dist.DistNetworkError as error:
-            if env.is_main_process and "EADDRINUSE" in str(error):
+            # The libuv store says "EADDRINUSE ... address already in use", the older one "errno: 98 - Address
+            # already in use"; torch's own elastic utilities match the same words.
+            if env.is_main_process and "address already in use" in str(error).lower():
                 raise PortTaken(master.port) from error
             raise
         return store, master

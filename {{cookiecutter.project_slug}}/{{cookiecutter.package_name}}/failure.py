@@ -211,7 +211,10 @@ def end_attempt_after(error: Exception, record: CrashRecord | None, env: DistEnv
     exits with status 1 after at most one line."""
     prefix = f"[rank {env.rank}] " if env.world_size > 1 else ""
     if isinstance(error, PortTaken):  # before is_lost_peer: the cause, a DistNetworkError, is no lost peer
-        sys.stderr.write(f"{prefix}{error}; torchrun restarts the group\n")
+        allowed = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0)  # this rank's own torchrun decides
+        then = ("torchrun restarts the group" if env.restart_count < allowed
+                else f"torchrun has no restart left (--max-restarts {allowed}), so the job ends; run it again")
+        sys.stderr.write(f"{prefix}{error}; {then}\n")
         sys.exit(1)
     if is_lost_peer(error):
         if REPORTING_A_HANG.is_set():  # this rank's watchdog names the rank that stopped, then ends the process
