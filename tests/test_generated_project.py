@@ -195,6 +195,33 @@ def test_on_nccl_the_hang_report_uses_torchs_flight_recorder(baked_train, tmp_pa
                                                     "rank 0: step 10, training step, waiting for others")
 
 
+@pytest.mark.parametrize("restart_count, max_restarts, then", [
+    (0, "1", "torchrun restarts the group from the newest checkpoint"),
+    (1, "1", "torchrun has no restart left (--max-restarts 1), so the job ends; run the same command to resume"),
+    (0, None, "torchrun has no restart left (--max-restarts 0), so the job ends; run the same command to resume"),
+], ids=["restart_left", "none_left", "plain_torchrun"])
+def test_a_lost_peer_or_a_taken_port_is_one_line_that_says_what_happens_next(baked_train, capsys, monkeypatch,
+                                                                             restart_count, max_restarts, then):
+    # Plain torchrun restarts nothing unless given --max-restarts: a line promising a restart would mislead.
+    import torch.distributed as dist
+    from ddp_training.distributed import DistEnv, PortTaken
+    from ddp_training.failure import end_attempt_after
+
+    monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS", raising=False)
+    if max_restarts is not None:
+        monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", max_restarts)
+    env = DistEnv(rank=1, world_size=2, restart_count=restart_count, launched_by_torchrun=True)
+    for error, cause in ((dist.DistNetworkError("Connection reset by peer. This is ..."),
+                          "lost another rank (Connection reset by peer); "),
+                         (PortTaken(29511), "port 29511, which torchrun chose for this attempt's store, was taken "
+                                            "by another process before rank 0 could listen on it "
+                                            "(pytorch/pytorch#126510); ")):
+        with pytest.raises(SystemExit) as exit_:
+            end_attempt_after(error, None, env)
+        assert exit_.value.code == 1
+        assert capsys.readouterr().err.startswith(f"[rank 1] {cause}{then}"), (error, then)
+
+
 def in_file(text: bytes, path: Path) -> bool:
     if not path.exists():  # a CPU-only build of torch has no libtorch_cuda.so
         return False

@@ -206,21 +206,28 @@ def mark_usage_error(marker: Path) -> None:
                 other.unlink()
 
 
+def what_torchrun_does_next(env: DistEnv) -> str:
+    """After this rank exits non-zero: its machine's torchrun restarts the group while it has restarts left
+    (TORCHELASTIC_MAX_RESTARTS, --max-restarts), else it gives up, and with it the job (bare torchrun's
+    default is 0)."""
+    allowed = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0)
+    if env.restart_count < allowed:
+        return "torchrun restarts the group from the newest checkpoint"
+    return (f"torchrun has no restart left (--max-restarts {allowed}), so the job ends; run the same command "
+            "to resume from the newest checkpoint")
+
+
 def end_attempt_after(error: Exception, record: CrashRecord | None, env: DistEnv) -> None:
     """Called with the exception that ended train(); returns if Python should print its traceback, else
     exits with status 1 after at most one line."""
     prefix = f"[rank {env.rank}] " if env.world_size > 1 else ""
     if isinstance(error, PortTaken):  # before is_lost_peer: the cause, a DistNetworkError, is no lost peer
-        allowed = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0)  # this rank's own torchrun decides
-        then = ("torchrun restarts the group" if env.restart_count < allowed
-                else f"torchrun has no restart left (--max-restarts {allowed}), so the job ends; run it again")
-        sys.stderr.write(f"{prefix}{error}; {then}\n")
+        sys.stderr.write(f"{prefix}{error}; {what_torchrun_does_next(env)}\n")
         sys.exit(1)
     if is_lost_peer(error):
         if REPORTING_A_HANG.is_set():  # this rank's watchdog names the rank that stopped, then ends the process
             time.sleep(60)
-        sys.stderr.write(f"{prefix}lost another rank ({first_sentence(error)}); "
-                         "torchrun restarts the group from the newest checkpoint\n")
+        sys.stderr.write(f"{prefix}lost another rank ({first_sentence(error)}); {what_torchrun_does_next(env)}\n")
         sys.exit(1)
     if record is None or not env.launched_by_torchrun:
         return
