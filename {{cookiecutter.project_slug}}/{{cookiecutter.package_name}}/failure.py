@@ -12,9 +12,10 @@
   that means "do not restart" (pytorch/pytorch#133877), so the later attempts still start, and end within
   seconds.
 
-The record of the last crash lives in <ckpt-dir>/.crashes/, one file per job (its rendezvous id, which Slurm
-requeues share): a requeued job that meets the same error again says so in one line, and writes it to the
-file STOP_REQUEUE_FILE names, from which train.sbatch learns not to requeue.
+The record of the last crash lives in <ckpt-dir>/.crashes/, one file per job (its rendezvous id, which the
+requeues of a multi-node Slurm job share; `torchrun --standalone`, one node, draws a new id each time): a
+requeued job that meets the same error again says so in one line, and writes it to the file STOP_REQUEUE_FILE
+names, from which train.sbatch learns not to requeue.
 """
 
 from __future__ import annotations
