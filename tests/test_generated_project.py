@@ -200,17 +200,19 @@ def test_on_nccl_the_hang_report_uses_torchs_flight_recorder(baked_train, tmp_pa
     (1, "1", "torchrun has no restart left (--max-restarts 1), so the job ends; run the same command to resume"),
     (0, None, "torchrun has no restart left (--max-restarts 0), so the job ends; run the same command to resume"),
 ], ids=["restart_left", "none_left", "plain_torchrun"])
-def test_a_lost_peer_or_a_taken_port_is_one_line_that_says_what_happens_next(baked_train, capsys, monkeypatch,
+def test_a_lost_peer_or_a_taken_port_is_one_line_that_says_what_happens_next(baked_train, capsys,
                                                                              restart_count, max_restarts, then):
     # Plain torchrun restarts nothing unless given --max-restarts: a line promising a restart would mislead.
     import torch.distributed as dist
     from ddp_training.distributed import DistEnv, PortTaken
     from ddp_training.failure import end_attempt_after
 
-    monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS", raising=False)
+    # Rank 1 of 2 as torchrun starts it (the variables it sets), from which the project reads its environment.
+    environ = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RESTART_COUNT": str(restart_count)}
     if max_restarts is not None:
-        monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", max_restarts)
-    env = DistEnv(rank=1, world_size=2, restart_count=restart_count, launched_by_torchrun=True)
+        environ["TORCHELASTIC_MAX_RESTARTS"] = max_restarts
+    env = DistEnv.from_environ(environ)
     for error, cause in ((dist.DistNetworkError("Connection reset by peer. This is ..."),
                           "lost another rank (Connection reset by peer); "),
                          (PortTaken(29511), "port 29511, which torchrun chose for this attempt's store, was taken "

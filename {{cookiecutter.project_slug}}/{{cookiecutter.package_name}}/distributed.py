@@ -39,6 +39,7 @@ class DistEnv:
     local_world_size: int = 1
     node_rank: int = 0  # GROUP_RANK: which machine this is, 0..nodes-1
     restart_count: int = 0  # TORCHELASTIC_RESTART_COUNT: how often torchrun has restarted the group
+    max_restarts: int = 0  # TORCHELASTIC_MAX_RESTARTS: torchrun's --max-restarts (0 unless given)
     run_id: str = "local"  # TORCHELASTIC_RUN_ID: the rendezvous id, identical on every node
     launched_by_torchrun: bool = False
     # TORCHELASTIC_USE_AGENT_STORE: torchrun's store outlives restarts (see run_node.sh, pytorch#135712).
@@ -59,12 +60,13 @@ class DistEnv:
         try:
             numbers = {name: int(environ[name]) for name in TORCHRUN_VARIABLES if name != "MASTER_ADDR"}
             restart_count = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            max_restarts = int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
         except ValueError as error:
             raise UsageError(f"torchrun environment is not numeric where it must be ({error})") from None
         env = cls(
             rank=numbers["RANK"], world_size=numbers["WORLD_SIZE"],
             local_rank=numbers["LOCAL_RANK"], local_world_size=numbers["LOCAL_WORLD_SIZE"],
-            node_rank=numbers["GROUP_RANK"], restart_count=restart_count,
+            node_rank=numbers["GROUP_RANK"], restart_count=restart_count, max_restarts=max_restarts,
             run_id=environ.get("TORCHELASTIC_RUN_ID", "none"), launched_by_torchrun=True,
             store_shared_across_restarts=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
             stop_requeue_file=environ.get("STOP_REQUEUE_FILE") or None,

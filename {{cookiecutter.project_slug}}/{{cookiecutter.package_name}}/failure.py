@@ -209,13 +209,11 @@ def mark_usage_error(marker: Path) -> None:
 
 def what_torchrun_does_next(env: DistEnv) -> str:
     """After this rank exits non-zero: its machine's torchrun restarts the group while it has restarts left
-    (TORCHELASTIC_MAX_RESTARTS, --max-restarts), else it gives up, and with it the job (bare torchrun's
-    default is 0)."""
-    allowed = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0)
-    if env.restart_count < allowed:
+    (--max-restarts), else it gives up, and with it the job (bare torchrun's default is 0)."""
+    if env.restart_count < env.max_restarts:
         return "torchrun restarts the group from the newest checkpoint"
-    return (f"torchrun has no restart left (--max-restarts {allowed}), so the job ends; run the same command "
-            "to resume from the newest checkpoint")
+    return (f"torchrun has no restart left (--max-restarts {env.max_restarts}), so the job ends; run the same "
+            "command to resume from the newest checkpoint")
 
 
 def end_attempt_after(error: Exception, record: CrashRecord | None, env: DistEnv) -> None:
