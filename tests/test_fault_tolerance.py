@@ -125,6 +125,41 @@ def test_two_ranks_to_one_mid_epoch_loses_and_repeats_no_sample(default_project,
     assert checkpoint(ckpt_dir, 26)["epoch"] == 1
 
 
+def step_lr(ckpt_dir: Path, step: int) -> tuple[int, float]:
+    """(samples seen, the lr of the last step) of a checkpoint."""
+    state = checkpoint(ckpt_dir, step)
+    return state["samples_seen"], state["optimizer"]["param_groups"][0]["lr"]
+
+
+def test_a_resized_job_runs_the_uninterrupted_lr_at_every_sample_count(default_project, uninterrupted_bare,
+                                                                       tmp_path):
+    # The reference trains 2 ranks x 8 = 16 samples a step. One rank of 8 takes 8 a step: at equal samples
+    # seen it stands at twice the reference's step, and a schedule over steps would run ahead of it.
+    def reference(samples: int) -> tuple[int, float]:
+        return step_lr(uninterrupted_bare, samples // 16)
+
+    def train(ckpt_dir: Path, max_steps: int, nproc: int) -> str:
+        result = run_job(default_project, tiny_run(num_workers=0, max_steps=max_steps, ckpt_dir=ckpt_dir),
+                         via="python" if nproc == 1 else "torchrun", nproc=nproc)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "lr_scheduler" not in result.stderr and "get_lr()" not in result.stderr, result.stderr
+        return result.stderr
+
+    # 1 -> 2 ranks, the direction that ran the rest of the run at lr 0: 16 steps of 8, then 2 ranks to step 24.
+    grown = tmp_path / "grown"
+    train(grown, 16, nproc=1)
+    assert "2 ranks instead of 1: a step is now another number of samples" in train(grown, 24, nproc=2)
+    for step, samples in ((8, 64), (16, 128), (20, 192), (24, 256)):
+        assert step_lr(grown, step) == pytest.approx(reference(samples), rel=1e-12), step
+    # 2 -> 1: the reference's step 8 (128 samples) on one rank, 8 more steps of 8.
+    shrunk = tmp_path / "shrunk"
+    shrunk.mkdir()
+    shutil.copy(uninterrupted_bare / "step-8.pt", shrunk)
+    train(shrunk, 16, nproc=1)
+    assert step_lr(shrunk, 12)[0] == 160
+    assert step_lr(shrunk, 16) == pytest.approx(reference(192), rel=1e-12)
+
+
 def run_two_nodes(project: Path, ckpt_dirs: list[Path], *args: str) -> str:
     """Two 1-rank "machines", each with its own --ckpt-dir standing for its own local disk."""
     node_args = [[*tiny_run(num_workers=0, max_steps=None, ckpt_dir=ckpt_dir), *args] for ckpt_dir in ckpt_dirs]

@@ -73,10 +73,12 @@ def test_mixed_precision_with_accumulation_and_clipping_learns_and_records_metri
         assert {"loss", "lr", "samples_per_sec", "step_time_s", "data_wait_frac"} <= row.keys()
         assert row["samples_per_sec"] > 0 and 0 <= row["data_wait_frac"] < 1
     assert train_rows[-1]["loss"] < 0.7 * train_rows[0]["loss"], "loss did not fall"
-    # The lr each logged step ran with: 2 steps of linear warmup, then cosine from 0.05 to 0 over 30 steps.
+    # The lr each logged step ran with, at the samples seen when it ended (32 a step): 2 steps (64 samples) of
+    # linear warmup, then cosine from 0.05 to 0 over the 2 epochs' other 960 samples.
     for row in train_rows:
-        index = row["step"] - 1
-        expected = 0.05 * (index + 1) / 3 if index < 2 else 0.05 * 0.5 * (1 + math.cos(math.pi * (index - 2) / 30))
+        seen = row["samples_seen"]
+        assert seen == 32 * row["step"], row
+        expected = 0.05 * seen / 64 if seen < 64 else 0.05 * 0.5 * (1 + math.cos(math.pi * (seen - 64) / 960))
         assert row["lr"] == pytest.approx(expected), row
     assert [(row["step"], row["samples"]) for row in eval_rows] == [(16, 128), (32, 128)]
     assert eval_rows[-1]["accuracy"] > 0.3  # 10 classes: chance is 0.1
@@ -86,7 +88,8 @@ def test_mixed_precision_with_accumulation_and_clipping_learns_and_records_metri
     assert scalars["eval/accuracy"][-1][1] == pytest.approx(eval_rows[-1]["accuracy"])
 
     state = checkpoint(ckpt_dir, 32)
-    assert state["lr_schedule"]["last_epoch"] == 32  # the schedule's position, for an exact resume
+    assert state["samples_seen"] == 1024  # the schedule's position, for an exact resume at any world size
+    assert state["lr_schedule"] == {"warmup_steps": 2, "warmup_samples": 64}
     if precision == "fp16":
         assert state["grad_scaler"]["scale"] > 0, "the gradient scaler's state is saved for an exact resume"
 

@@ -37,9 +37,9 @@ from {{ cookiecutter.package_name }}.failure import (
 )
 from {{ cookiecutter.package_name }}.metrics import build_meter, describe_job, evaluate, log, setup_logging
 from {{ cookiecutter.package_name }}.optim import (
+    LearningRateSchedule,
     MixedPrecision,
     as_one_optimizer,
-    build_lr_schedule,
     planned_steps,
     resolve_precision,
 )
@@ -72,8 +72,9 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     training_model = wrap_model(model, device, options.strategy, options.compile, param_dtype=amp.param_dtype)
     # After wrapping: FSDP2 swaps in sharded parameters. Several named optimizers are stepped as one.
     optimizer = as_one_optimizer(task.build_optimizer(model, options))
-    steps_per_epoch = len(train_loader) // options.grad_accum
-    lr_schedule = build_lr_schedule(optimizer, options, steps_per_epoch)
+    samples_per_step = options.batch_size * options.grad_accum * env.world_size  # all ranks together
+    # Over samples seen, not steps: a job resumed on another number of ranks continues the same curve.
+    lr_schedule = LearningRateSchedule(optimizer, options, len(train_set), samples_per_step)
     checkpointer = build_checkpointer(options, env, device, model=model, optimizer=optimizer,
                                       lr_schedule=lr_schedule, grad_scaler=amp)
     progress = checkpointer.resume()
@@ -81,10 +82,10 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     if options.eval_every:  # one held-out batch now, so a bug in the evaluation path shows before training
         with watchdog.slow_phase("checking evaluation on one batch"):
             evaluate(model, eval_loader, device, amp, task, max_batches=1)
-    meter = build_meter(options, env, device, planned_steps(options, steps_per_epoch), done_steps=progress.step,
-                        unit=task.throughput_unit, flops_per_unit=task.model_flops_per_unit(model, options),
+    meter = build_meter(options, env, device, planned_steps(options, len(train_loader) // options.grad_accum),
+                        done_steps=progress.step, unit=task.throughput_unit,
+                        flops_per_unit=task.model_flops_per_unit(model, options),
                         changed_options=checkpointer.changed_options)
-    micro_batch_size = options.batch_size * env.world_size  # samples per micro-step, all ranks together
     stop_requested = False
 
     while not (stop_requested or progress.finished(options.epochs, options.max_steps)):
@@ -102,12 +103,12 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
                 continue
             amp.scaler.unscale_(optimizer)  # true gradients for the norm and clipping (a no-op unless fp16)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), options.clip_grad or math.inf)
+            lr = lr_schedule.set_lr(progress.samples_seen + samples_per_step)  # this step's: where it ends
             amp.scaler.step(optimizer)  # fp16: skips a step whose gradients overflowed
             amp.scaler.update()
             optimizer.zero_grad(set_to_none=True)
-            progress.advance(micro_batch_size * options.grad_accum)
-            meter.end_step(progress.step, progress.epoch, lr_schedule.get_last_lr()[0], grad_norm)  # this step's lr
-            lr_schedule.step()
+            progress.advance(samples_per_step)
+            meter.end_step(progress, lr, grad_norm)
             watchdog.beat(progress.step)
             if progress.step == first_step and check_replicas_match(model, progress.step):  # again at each save
                 log.info("step %d: every rank holds the same parameters", progress.step)

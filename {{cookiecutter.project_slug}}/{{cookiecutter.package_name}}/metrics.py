@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from .options import TrainOptions, UsageError
 from .parallel import sync_buffers_from_main
 from .registry import Task
 from .trackers import TRACKERS, Tracker
+
+if TYPE_CHECKING:  # checkpoint/ stands on this module's neighbours, not on it
+    from .checkpoint import TrainingProgress
 
 log = logging.getLogger("train")
 
@@ -274,17 +278,18 @@ class TrainingMeter:
         self.micro_batches += 1
         self.units += units
 
-    def end_step(self, step: int, epoch: int, lr: float, grad_norm: torch.Tensor) -> None:
-        """After every optimizer step, with the gradient norm before clipping (the same on every rank)."""
+    def end_step(self, progress: TrainingProgress, lr: float, grad_norm: torch.Tensor) -> None:
+        """After every optimizer step: where training stands now, the lr the step ran with, and the gradient
+        norm before clipping (the same on every rank)."""
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: DTensor
         self.grad_norm_sum += grad_norm.detach().float()
         self.steps += 1
         self.last_step_end = time.perf_counter()
         self.progress_bar.update()
-        if step % self.log_every == 0:
-            self.log_and_reset(step, epoch, lr)
+        if progress.step % self.log_every == 0:
+            self.log_and_reset(progress, lr)
 
-    def log_and_reset(self, step: int, epoch: int, lr: float) -> None:
+    def log_and_reset(self, progress: TrainingProgress, lr: float) -> None:
         """Log the mean loss over ranks and micro-batches since the last line (a collective)."""
         # Mean loss and total units over ranks, in one all-reduce.
         loss_sum, units = all_reduce_sum(torch.stack([(self.loss_sum / max(self.micro_batches, 1)).double(),
@@ -292,7 +297,9 @@ class TrainingMeter:
         loss = loss_sum / world_size()
         elapsed = time.perf_counter() - self.started - self.paused
         rate = units / elapsed
+        step, epoch = progress.step, progress.epoch
         row = {"loss": loss, "grad_norm": self.grad_norm_sum.item() / max(self.steps, 1), "lr": lr,
+               "samples_seen": progress.samples_seen,
                f"{self.unit}_per_sec": rate, "step_time_s": elapsed / max(self.steps, 1),
                "data_wait_frac": self.data_wait / elapsed}
         extra = ""
@@ -304,9 +311,9 @@ class TrainingMeter:
         if self.progress_bar.bar is not None:
             self.progress_bar.show(f"loss {loss:.4f}, {rate:.1f} {self.unit}/s")
         else:
-            log.info("step %d | epoch %d | loss %.4f | grad norm %.3f | lr %.2e | %.1f %s/s | %.3f s/step | "
-                     "data wait %.0f%%%s", step, epoch, loss, row["grad_norm"], lr, rate, self.unit,
-                     row["step_time_s"], 100 * row["data_wait_frac"], extra)
+            log.info("step %d | epoch %d | %d samples seen | loss %.4f | grad norm %.3f | lr %.2e | %.1f %s/s | "
+                     "%.3f s/step | data wait %.0f%%%s", step, epoch, progress.samples_seen, loss, row["grad_norm"],
+                     lr, rate, self.unit, row["step_time_s"], 100 * row["data_wait_frac"], extra)
         if self.metrics_log is not None:
             self.metrics_log.write("train", step, row)
         self.reset()

@@ -1,7 +1,7 @@
 """Around the optimizer step: several optimizers stepped as one, mixed precision (autocast, and the gradient
-scaler fp16 needs), the learning-rate schedule (linear warmup, then cosine decay or constant) and an
-exponential moving average of the weights. The optimizers themselves are built in task.py; the step is
-written out in train.py."""
+scaler fp16 needs), the learning-rate schedule (over samples seen: linear warmup, then cosine decay or
+constant) and an exponential moving average of the weights. The optimizers themselves are built in task.py;
+the step is written out in train.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import contextlib
 import math
 
 import torch
-from torch.optim.lr_scheduler import LambdaLR
 
 from .options import TrainOptions, UsageError
 
@@ -125,48 +124,61 @@ class MixedPrecision:
             self.scaler.load_state_dict(state)
 
 
-def warmup_then_decay(step: int, warmup_steps: int, total_steps: int, decay: str) -> float:
-    """lr multiplier for an optimizer step: linear warmup from ~0 to 1, then cosine to 0 (or constant 1)."""
-    if step < warmup_steps:
-        return (step + 1) / (warmup_steps + 1)
+def warmup_then_decay(samples_seen: int, warmup_samples: int, total_samples: int, decay: str) -> float:
+    """lr multiplier once training has seen `samples_seen` samples: linear warmup to 1, then cosine to 0 at
+    `total_samples` (or constant 1)."""
+    if samples_seen < warmup_samples:
+        return samples_seen / warmup_samples
     if decay == "constant":
         return 1.0
-    progress = min((step - warmup_steps) / max(total_steps - warmup_steps, 1), 1.0)
+    progress = min((samples_seen - warmup_samples) / max(total_samples - warmup_samples, 1), 1.0)
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def planned_steps(options: TrainOptions, steps_per_epoch: int) -> int:
-    """Optimizer steps this run will take: --epochs worth, or --max-steps if that comes first."""
+    """Optimizer steps this run will take at this world size: --epochs worth, or --max-steps if that comes first."""
     total_steps = options.epochs * steps_per_epoch
     return total_steps if options.max_steps is None else min(total_steps, options.max_steps)
 
 
-def build_lr_schedule(optimizer: torch.optim.Optimizer, options: TrainOptions, steps_per_epoch: int) -> LambdaLR:
-    """Stepped once per optimizer step; the decay spans --epochs. --max-steps only stops the run early, so a
-    run stopped by it and restarted with a larger one continues the same schedule.
+class LearningRateSchedule:
+    """The lr as a function of the samples trained on (all ranks together), not of the optimizer step.
 
-    A checkpoint holds the schedule's step count; the plan itself comes from the current options, so
-    resuming on another world size (another number of steps per epoch) re-plans the rest of the run.
-    """
-    total_steps = options.epochs * steps_per_epoch
-    warmup_steps = options.warmup_steps if options.warmup_steps is not None else total_steps // 20
-    # A lambda, which LambdaLR leaves out of its state_dict: nothing but the step count is restored.
-    return ResumableLambdaLR(
-        optimizer, lambda step: warmup_then_decay(step, warmup_steps, total_steps, options.lr_schedule))
+    A step is --batch-size x --grad-accum x world size samples, so a job resumed on another number of ranks
+    takes other steps over the same data; a schedule over steps (torch's LambdaLR, with the step count restored)
+    would then stand at the wrong fraction of the run: going from 1 rank to 2 halves the steps left, and the
+    cosine reaches 0 halfway through. Here the lr of every step is the schedule's value at the samples seen once
+    that step is done, the same at any world size. The decay spans --epochs; --max-steps only stops early, so
+    a run stopped by it and restarted with a larger one continues the same curve.
 
+    Saved in checkpoints: the warmup's length in samples. --warmup-steps counts steps of the world size the run
+    started with; a resume on another one keeps the warmup it started, unless --warmup-steps itself changed.
+    The peak lr is not restored: it is what task.py's optimizer was built with in this run (--lr)."""
 
-class ResumableLambdaLR(LambdaLR):
-    """LambdaLR whose checkpoint restores where the schedule stands (its step count), not the peak lr it
-    scales: that stays what the optimizer was built with in this run. LambdaLR's own load_state_dict brings
-    back the saved base_lrs, so a resume with another --lr would go on with the old one, without a word."""
+    def __init__(self, optimizer: torch.optim.Optimizer, options: TrainOptions, samples_per_epoch: int,
+                 samples_per_step: int):
+        self.optimizer = optimizer
+        self.peaks = [group["lr"] for group in optimizer.param_groups]
+        self.decay = options.lr_schedule
+        self.total_samples = options.epochs * samples_per_epoch
+        self.warmup_steps = options.warmup_steps
+        self.warmup_samples = (self.total_samples // 20 if options.warmup_steps is None
+                               else options.warmup_steps * samples_per_step)
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        peaks = list(self.base_lrs)
-        super().load_state_dict(state_dict)
-        self.base_lrs = peaks
-        for group, peak, lr in zip(self.optimizer.param_groups, peaks, self.get_lr(), strict=True):
-            group["initial_lr"], group["lr"] = peak, lr
-        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+    def set_lr(self, samples_seen: int) -> float:
+        """Set every param group's lr for the step after which training has seen `samples_seen` samples;
+        returns the first group's (the one logged)."""
+        multiplier = warmup_then_decay(samples_seen, self.warmup_samples, self.total_samples, self.decay)
+        for group, peak in zip(self.optimizer.param_groups, self.peaks, strict=True):
+            group["lr"] = peak * multiplier
+        return self.peaks[0] * multiplier
+
+    def state_dict(self) -> dict:
+        return {"warmup_steps": self.warmup_steps, "warmup_samples": self.warmup_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("warmup_steps", "not saved") == self.warmup_steps:
+            self.warmup_samples = state["warmup_samples"]
 
 
 class ExponentialMovingAverage:

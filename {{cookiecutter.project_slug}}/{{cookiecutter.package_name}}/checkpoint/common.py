@@ -31,10 +31,13 @@ class TrainingProgress:
     step: int = 0  # optimizer steps completed
     epoch: int = 0
     samples_in_epoch: int = 0  # global samples (all ranks) of this epoch already trained on
+    samples_seen: int = 0  # global samples trained on in all, what the lr schedule follows
 
-    def advance(self, global_batch_size: int) -> None:
+    def advance(self, samples_per_step: int) -> None:
+        """After an optimizer step of `samples_per_step` samples, all ranks together."""
         self.step += 1
-        self.samples_in_epoch += global_batch_size
+        self.samples_in_epoch += samples_per_step
+        self.samples_seen += samples_per_step
 
     def finished(self, epochs: int, max_steps: int | None) -> bool:
         return self.epoch >= epochs or (max_steps is not None and self.step >= max_steps)
@@ -72,13 +75,15 @@ def checkpoint_mismatch(path: Path, error: Exception) -> UsageError:
 
 # What a changed option does to a resumed run, where that is not plain from its --help.
 EFFECT_OF_CHANGING = {
-    "epochs": "the LR schedule is re-planned over the new --epochs from this step on",
-    "lr": "the LR schedule continues from this step towards the new peak",
-    "lr_schedule": "the new schedule applies from this step on",
-    "warmup_steps": "the LR schedule is re-planned from this step on",
+    "epochs": "the LR schedule is re-planned over the new --epochs from this sample on",
+    "lr": "the LR schedule continues from this sample towards the new peak",
+    "lr_schedule": "the new schedule applies from this sample on",
+    "warmup_steps": "the warmup is re-planned in steps of this run's size",
     "seed": "the rest of this epoch and later epochs draw another sample order",
-    "batch_size": "this epoch continues with its unseen samples, in batches of the new size",
-    "grad_accum": "this epoch continues with its unseen samples, in steps of the new size",
+    "batch_size": "this epoch continues with its unseen samples, in batches of the new size; the LR schedule "
+                  "follows samples and continues unchanged",
+    "grad_accum": "this epoch continues with its unseen samples, in steps of the new size; the LR schedule "
+                  "follows samples and continues unchanged",
 }
 # Expected to change between runs of one job; not worth a line.
 CHANGED_BY_EVERY_RESUME = ("max_steps", "ckpt_dir", "resume_changed_state")
@@ -183,8 +188,13 @@ class Checkpointer:
         progress = TrainingProgress(**{spec.name: saved[spec.name] for spec in fields(TrainingProgress)
                                        if spec.name in progress_fields})
         self.last_saved_step = progress.step
-        log.info("resuming from %s (step %d, epoch %d, %d samples into the epoch, saved by %d ranks)",
-                 source, progress.step, progress.epoch, progress.samples_in_epoch, saved["world_size"])
+        log.info("resuming from %s (step %d, epoch %d, %d samples into the epoch, %d in all, saved by %d ranks)",
+                 source, progress.step, progress.epoch, progress.samples_in_epoch, progress.samples_seen,
+                 saved["world_size"])
+        if saved["world_size"] != self.env.world_size:
+            log.info("%d ranks instead of %d: a step is now another number of samples; the lr schedule follows "
+                     "samples seen and continues unchanged, --max-steps still counts steps", self.env.world_size,
+                     saved["world_size"])
         return progress
 
     def check_saved_entries(self, source: Path, entries: set[str], progress_fields: set[str]) -> set[str]:
