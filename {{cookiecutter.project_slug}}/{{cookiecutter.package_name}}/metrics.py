@@ -311,9 +311,9 @@ class TrainingMeter:
         if self.progress_bar.bar is not None:
             self.progress_bar.show(f"loss {loss:.4f}, {rate:.1f} {self.unit}/s")
         else:
-            log.info("step %d | epoch %d | %d samples seen | loss %.4f | grad norm %.3f | lr %.2e | %.1f %s/s | "
-                     "%.3f s/step | data wait %.0f%%%s", step, epoch, progress.samples_seen, loss, row["grad_norm"],
-                     lr, rate, self.unit, row["step_time_s"], 100 * row["data_wait_frac"], extra)
+            log.info("step %d | epoch %d | loss %.4f | grad norm %.3f | lr %.2e | %d samples seen | %.1f %s/s | "
+                     "%.3f s/step | data wait %.0f%%%s", step, epoch, loss, row["grad_norm"], lr, progress.samples_seen,
+                     rate, self.unit, row["step_time_s"], 100 * row["data_wait_frac"], extra)
         if self.metrics_log is not None:
             self.metrics_log.write("train", step, row)
         self.reset()
