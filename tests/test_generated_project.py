@@ -224,6 +224,40 @@ def test_a_lost_peer_or_a_taken_port_is_one_line_that_says_what_happens_next(bak
         assert capsys.readouterr().err.startswith(f"[rank 1] {cause}{then}"), (error, then)
 
 
+def test_only_an_error_raised_in_the_projects_own_files_and_no_machine_fault_can_be_a_bug(baked_module,
+                                                                                         default_project):
+    # Raised by code compiled as if it were in these files: the innermost frame decides, and the kind of error.
+    import torch
+    import torch.distributed as dist
+
+    failure = baked_module("failure")
+
+    def raised_in(path: Path, statement: str) -> BaseException:
+        try:
+            exec(compile(statement, str(path), "exec"), {"torch": torch, "dist": dist})
+        except BaseException as error:  # noqa: BLE001
+            return error
+        raise AssertionError(statement)
+
+    task, train = default_project / "ddp_training" / "task.py", default_project / "train.py"
+    library = Path(torch.__file__).parent / "nn" / "functional.py"
+    assert failure.could_be_a_bug(raised_in(task, "1 / 0"))
+    assert failure.could_be_a_bug(raised_in(train, "raise ValueError('bad shape')"))
+    assert not failure.could_be_a_bug(raised_in(library, "raise ValueError('bad shape')")), "not the project's code"
+    for fault in ("raise dist.DistBackendError('NCCL error: unhandled system error')",
+                  "raise dist.DistStoreError('Socket Timeout')", "raise OSError(5, 'Input/output error')",
+                  "raise TimeoutError('timed out')", "raise MemoryError()",
+                  "raise torch.AcceleratorError('CUDA error: uncorrectable ECC error encountered')",
+                  "raise RuntimeError('CUDA error: an illegal memory access was encountered')",
+                  "try:\n    open('/nonexistent/x')\nexcept OSError as e:\n    raise ValueError('could not read') from e"):
+        assert not failure.could_be_a_bug(raised_in(task, fault)), fault
+    # A DataLoader worker's error, re-raised by torch in the training process: the worker's frames decide.
+    worker = RuntimeError(f'Caught ValueError in DataLoader worker process 0.\nOriginal Traceback (most recent call '
+                          f'last):\n  File "{library}", line 1, in fetch\n  File "{task}", line 7, in collate\n'
+                          f'    raise ValueError\nValueError: bad batch')
+    assert failure.could_be_a_bug(worker) and failure.innermost_frame(worker) == (task, 7)
+
+
 def in_file(text: bytes, path: Path) -> bool:
     if not path.exists():  # a CPU-only build of torch has no libtorch_cuda.so
         return False

@@ -243,6 +243,24 @@ def test_a_bug_in_task_code_is_reported_once_per_job_and_not_retrained(default_p
 
 
 @pytest.mark.slow
+def test_a_fault_of_the_machine_that_repeats_uses_every_restart_and_lets_the_scheduler_requeue(default_project,
+                                                                                              tmp_path):
+    # What NCCL raises on a bad NIC, at the same batch in every attempt: torchrun restarts on the same machine,
+    # where only a requeue onto another one helps. No line calls it a bug, and train.sbatch is not told to stop.
+    project = with_task_code(default_project, tmp_path, COLLATE_BUG.replace(
+        'raise ValueError(f"bad batch: label sum {int(labels.sum())}")',
+        'raise __import__("torch").distributed.DistBackendError("NCCL error: unhandled system error")'))
+    stop_requeue = tmp_path / "slurm-1.bug"
+    result = run_job(project, tiny_run(num_workers=0, max_steps=100, ckpt_dir=tmp_path / "ckpt"), nproc=1,
+                     max_restarts=2, STOP_REQUEUE_FILE=str(stop_requeue))
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert [int(n) for n in re.findall(r"run_id=\S+ restart=(\d)", output)] == [0, 1, 2], output
+    assert output.count("DistBackendError: NCCL error: unhandled system error") >= 3, output
+    assert "a bug, not a fault" not in output and not stop_requeue.exists(), output
+
+
+@pytest.mark.slow
 def test_a_transient_exception_is_retried(default_project, tmp_path):
     # Raised once (the first attempt only): the retry trains to the end and exits 0.
     once = tmp_path / "raised"

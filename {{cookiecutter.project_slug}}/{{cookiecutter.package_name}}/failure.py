@@ -5,12 +5,14 @@
   (train.sbatch) is told not to requeue;
 - a rank that lost a peer (killed, its machine gone) prints one line, not a traceback: torchrun restarts the
   group from the newest checkpoint, which is the recovery, not a second error;
-- a bug (the same exception at the same place, from the same checkpoint, with the same code and command, in
-  two attempts in a row) is reported once per job: the first attempt's traceback (one rank's; the others name
+- a bug (the same exception at the same place in this project's own files, from the same checkpoint, with the
+  same code and command, in two attempts in a row) is reported once per job: the first attempt's traceback (one rank's; the others name
   it), one line from the retry that met it again, and silence from any later attempt under the same torchrun,
   which ends at once instead of retraining the same steps into the same error. torchrun has no exit status
   that means "do not restart" (pytorch/pytorch#133877), so the later attempts still start, and end within
-  seconds.
+  seconds. Only what code can fix is a bug: a fault of the machine (a communication error of NCCL or gloo, an
+  accelerator error such as an uncorrectable ECC error, I/O, memory, a timeout) fails the same way at every
+  attempt on the same machines, and is retried and requeued, which can move the job to other ones.
 
 The record of the last crash lives in <ckpt-dir>/.crashes/, one file per job (its rendezvous id, which the
 requeues of a multi-node Slurm job share; `torchrun --standalone`, one node, draws a new id each time): a
@@ -32,6 +34,7 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from .checkpoint import list_checkpoints, list_sharded_checkpoints
@@ -42,7 +45,15 @@ from .watchdog import REPORTING_A_HANG, process_identity
 # What gloo and NCCL raise on a rank whose peer died: the group is gone, and torchrun restarts it.
 LOST_PEER = re.compile(r"Connection (reset|closed) by peer|Broken pipe|NCCL communicator was aborted|"
                        r"remote process exited|Socket Timeout", re.IGNORECASE)
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_ROOT = Path(__file__).resolve().parent
+PROJECT_ROOT = PACKAGE_ROOT.parent
+# Faults of the machine, whatever the code: a communication error (DistError: NCCL's "unhandled system error",
+# a store timeout), an accelerator's error (torch >= 2.8: "uncorrectable ECC error"), I/O, host memory.
+MACHINE_FAULTS = (dist.DistError, OSError, MemoryError, *((torch.AcceleratorError,) if hasattr(torch, "AcceleratorError")
+                                                          else ()))
+# A DataLoader worker's exception reaches the training process re-raised by torch, with the worker's own
+# traceback in its message.
+WORKER_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+)', re.MULTILINE)
 
 
 def is_lost_peer(error: BaseException) -> bool:
@@ -57,6 +68,36 @@ def first_sentence(error: BaseException) -> str:
     return re.split(r"\.\s", text, maxsplit=1)[0][:200] or type(error).__name__
 
 
+def is_machine_fault(error: BaseException) -> bool:
+    """Whether `error`, or an exception it was raised from, is a fault of the machine, never a bug."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, MACHINE_FAULTS) or "CUDA error" in str(error):  # torch < 2.8: a plain RuntimeError
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def innermost_frame(error: BaseException) -> tuple[Path, int] | None:
+    """(file, line) where `error` was raised: in the DataLoader worker, for an exception one of them raised."""
+    worker_frames = WORKER_FRAME.findall(str(error)) if "Original Traceback" in str(error) else []
+    if worker_frames:
+        return Path(worker_frames[-1][0]), int(worker_frames[-1][1])
+    frames = traceback.extract_tb(error.__traceback__)
+    return (Path(frames[-1].filename), frames[-1].lineno or 0) if frames else None
+
+
+def could_be_a_bug(error: BaseException) -> bool:
+    """Whether a repeat of `error` is a bug that only a change of code fixes: raised in this project's own files
+    (train.py, the package), and no fault of the machine."""
+    frame = innermost_frame(error)
+    if is_machine_fault(error) or frame is None:
+        return False
+    where = frame[0].resolve()
+    return where == PROJECT_ROOT / "train.py" or where.is_relative_to(PACKAGE_ROOT)
+
+
 @dataclass(frozen=True)
 class Crash:
     """An exception, where it was raised, from which checkpoint, with which code."""
@@ -69,8 +110,8 @@ class Crash:
 
     @classmethod
     def of(cls, error: BaseException, ckpt_dir: Path) -> Crash:
-        frames = traceback.extract_tb(error.__traceback__)
-        where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
+        frame = innermost_frame(error)
+        where = f"{frame[0].name}:{frame[1]}" if frame else "?"
         message = str(error).strip().splitlines()[0] if str(error).strip() else ""
         return cls(f"{type(error).__name__}: {message}", where, **conditions_now(ckpt_dir))
 
@@ -232,7 +273,7 @@ def end_attempt_after(error: Exception, record: CrashRecord | None, env: DistEnv
         return
     crash = Crash.of(error, record.ckpt_dir)
     previous, _, _ = record.read()
-    repeated = crash == previous
+    repeated = crash == previous and could_be_a_bug(error)  # a fault repeats too, on the same machines
     first = record.first_to_report()
     record.write(crash, bug=repeated)
     if not repeated:
