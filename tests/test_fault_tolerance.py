@@ -104,6 +104,27 @@ def test_no_valid_checkpoint_starts_from_scratch(default_project, uninterrupted_
     assert_bitwise_equal(checkpoint(tmp_path, 4), checkpoint(uninterrupted_bare, 4))
 
 
+def test_a_second_job_on_a_live_jobs_folder_is_refused_and_a_killed_job_leaves_no_lease(default_project,
+                                                                                        uninterrupted_bare, tmp_path):
+    first = bare_torchrun(default_project, tmp_path)
+    wait_for(tmp_path / "step-8.pt", first)
+    with paused(first):  # so that it is still running when the second has started
+        second = run_job(default_project, tiny_run(num_workers=0, ckpt_dir=tmp_path), via="python", nproc=1)
+    assert second.returncode == 1
+    errors = [line for line in second.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: --ckpt-dir {tmp_path} is in use by another job (run_id "), second.stderr[-3000:]
+    assert errors[0].endswith("; wait for it to end, or give this job another --ckpt-dir"), errors
+    # The first goes on untouched; killed as a whole (kill -9, every process), it leaves no lease behind.
+    wait_for(tmp_path / "step-16.pt", first)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.communicate()
+    again = bare_torchrun(default_project, tmp_path)
+    output = again.communicate(timeout=300)[0]
+    assert again.returncode == 0 and "resuming from" in output, output[-3000:]
+    assert_bitwise_equal(checkpoint(tmp_path, 40), checkpoint(uninterrupted_bare, 40))
+
+
 def logged_indices(sample_log: Path) -> list[int]:
     return [int(line) for path in sample_log.glob("rank-*.txt") for line in path.read_text().split()]
 
@@ -117,7 +138,7 @@ def test_two_ranks_to_one_mid_epoch_loses_and_repeats_no_sample(default_project,
     one_rank = run_job(default_project, tiny_run(**per_rank_16, max_steps=None, epochs=1, sample_log=after),
                        via="run_node.sh", nproc=1)
     assert one_rank.returncode == 0, one_rank.stderr
-    assert "(step 6, epoch 0, 192 samples into the epoch, saved by 2 ranks)" in one_rank.stderr
+    assert "(step 6, epoch 0, 192 samples into the epoch, 192 in all, saved by 2 ranks)" in one_rank.stderr
     assert "world_size=1" in one_rank.stderr
     seen_before, seen_after = logged_indices(before), logged_indices(after)
     assert len(seen_before) == 192 and len(seen_after) == 320

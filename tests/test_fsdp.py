@@ -65,8 +65,8 @@ def uninterrupted(fsdp_project, tmp_path_factory) -> Path:
 
 
 def test_sharded_checkpoints_are_complete_step_folders(fsdp_project, uninterrupted, tmp_path):
-    assert sorted(path.name for path in uninterrupted.iterdir()) == ["step-12", "step-4", "step-8"]
-    for folder in uninterrupted.iterdir():
+    assert sorted(path.name for path in uninterrupted.iterdir()) == [".lease", "step-12", "step-4", "step-8"]
+    for folder in uninterrupted.glob("step-*"):
         assert (folder / ".metadata").is_file()
         assert sorted(path.name for path in folder.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     # Issue 11: each rank's CUDA generator, by rank (empty on CPU); the kill -9 and 2 -> 1 resumes restore it.
@@ -148,7 +148,7 @@ def test_two_ranks_to_one_reshards_and_continues_the_same_run(fsdp_project, unin
     shutil.copytree(uninterrupted / "step-8", ckpt_dir / "step-8")
     # One rank of 16 samples: the same global batch, so the same run continues on half the ranks.
     result = launch(fsdp_project, 1, batch_size=16, max_steps=12, ckpt_dir=ckpt_dir)
-    assert "step 8, epoch 0, 128 samples into the epoch, saved by 2 ranks" in result.stderr
+    assert "step 8, epoch 0, 128 samples into the epoch, 128 in all, saved by 2 ranks" in result.stderr
     expected = tensors(sharded_state(uninterrupted / "step-12", tmp_path))
     actual = tensors(sharded_state(ckpt_dir / "step-12", tmp_path))
     for name, tensor in expected.items():

@@ -258,6 +258,54 @@ def test_only_an_error_raised_in_the_projects_own_files_and_no_machine_fault_can
     assert failure.could_be_a_bug(worker) and failure.innermost_frame(worker) == (task, 7)
 
 
+def test_only_a_torn_checkpoint_is_set_aside_and_any_other_that_fails_stops_the_job(baked_module, tmp_path,
+                                                                                     monkeypatch):
+    import torch
+
+    replicated = baked_module("checkpoint.replicated")
+    state = {"step": 3, "epoch": 0, "samples_in_epoch": 48, "torch_rng_state": torch.get_rng_state()}
+    torch.save(state, tmp_path / "step-3.pt")
+    whole = (tmp_path / "step-3.pt").read_bytes()
+    (tmp_path / "step-5.pt").write_bytes(whole[: len(whole) // 2])  # a write cut short
+    (tmp_path / "step-4.pt").write_bytes(whole[:100] + b"x" * 64 + whole[164:])  # same length, bytes changed
+    found, problem = replicated.load_newest_valid(tmp_path)
+    assert problem is None and found[0] == tmp_path / "step-3.pt" and found[1]["samples_in_epoch"] == 48
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["step-3.pt", "step-4.pt.unreadable",
+                                                                "step-5.pt.unreadable"]
+    # Whole files that fail: kept where they are, and the job stops with one line.
+    monkeypatch.setattr(torch, "load", lambda *args, **kwargs: (_ for _ in ()).throw(MemoryError()))
+    found, problem = replicated.load_newest_valid(tmp_path)
+    assert found is None and problem == (
+        f"{tmp_path / 'step-3.pt'} is a whole file that this run cannot load (MemoryError: MemoryError); resume "
+        f"with the code and torch that wrote it, or move it out of {tmp_path}")
+    monkeypatch.undo()
+    torch.save({"model": {}}, tmp_path / "step-6.pt")  # someone's model file, under a checkpoint's name
+    found, problem = replicated.load_newest_valid(tmp_path)
+    assert found is None and problem.startswith(f"{tmp_path / 'step-6.pt'} is no training checkpoint of step 6 "
+                                                "(lacks epoch, samples_in_epoch, step, torch_rng_state)")
+    assert (tmp_path / "step-6.pt").exists() and (tmp_path / "step-3.pt").exists()
+
+
+def test_a_sharded_step_moved_aside_by_an_interrupted_publish_is_put_back(baked_module, tmp_path):
+    sharded = baked_module("checkpoint.sharded")
+    # Killed after moving the old step-8 aside, before the new one was renamed in: the old one goes back.
+    (tmp_path / ".step-8.stale-1f").mkdir()
+    (tmp_path / ".step-8.stale-1f" / ".metadata").write_text("old step 8")
+    (tmp_path / ".step-8.partial").mkdir()
+    # Killed after the new step-4 was in place, before the old one was deleted: the old one goes.
+    (tmp_path / "step-4").mkdir()
+    (tmp_path / ".step-4.stale-2e").mkdir()
+    sharded.recover_published(tmp_path)
+    assert sorted(path.name for path in tmp_path.iterdir()) == [".step-8.partial", "step-4", "step-8"]
+    assert (tmp_path / "step-8" / ".metadata").read_text() == "old step 8"
+    # A folder published over a same-step one: the new one is in place, nothing else is left.
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / ".metadata").write_text("new step 8")
+    sharded.publish(tmp_path / "new", tmp_path / "step-8")
+    assert (tmp_path / "step-8" / ".metadata").read_text() == "new step 8"
+    assert sorted(path.name for path in tmp_path.iterdir()) == [".step-8.partial", "step-4", "step-8"]
+
+
 def in_file(text: bytes, path: Path) -> bool:
     if not path.exists():  # a CPU-only build of torch has no libtorch_cuda.so
         return False

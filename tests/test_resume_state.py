@@ -95,7 +95,8 @@ def test_a_checkpoint_that_loads_but_does_not_match_the_code_stops_the_job(defau
         "or pass --resume-changed-state once to start the new entries fresh from it and drop the others"
     ], result.stderr[-3000:]
     assert "starting from scratch" not in result.stderr and "| loss " not in result.stderr
-    assert sorted(path.name for path in ckpt_dir.iterdir()) == ["step-4.pt"], "nothing deleted, nothing written"
+    # The lease (of whichever job is in the folder) aside, nothing deleted, nothing written.
+    assert sorted(path.name for path in ckpt_dir.iterdir()) == [".lease", "step-4.pt"]
 
 
 # State added to a job that already has checkpoints: a module whose buffer counts the steps (an EMA's shape).
@@ -127,7 +128,7 @@ def test_new_state_starts_fresh_on_request_and_retention_keeps_what_was_just_wri
     result = torchrun(project, ckpt_dir, max_steps=8, keep_checkpoints=1, resume_changed_state=True)
     assert "--resume-changed-state: this code saves step_counter, which it lacks" in result.stderr
     assert f"resuming from {ckpt_dir / 'step-4.pt'} (step 4" in result.stderr
-    assert sorted(path.name for path in ckpt_dir.iterdir()) == ["step-12.pt.unreadable", "step-8.pt"]
+    assert sorted(path.name for path in ckpt_dir.iterdir()) == [".lease", "step-12.pt.unreadable", "step-8.pt"]
     state = checkpoint(ckpt_dir, 8)
     assert int(state["step_counter"]["count"]) == 4, "started fresh at the resumed step"
     assert state["entries"] == ["grad_scaler", "lr_schedule", "model", "optimizer", "step_counter"]

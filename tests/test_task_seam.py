@@ -17,6 +17,7 @@ from helpers import (
     assert_project_tests_pass,
     checkpoint,
     flags,
+    free_port,
     kill_a_worker_and_finish,
     metric_rows,
     readme_block,
@@ -240,6 +241,24 @@ def test_a_bug_in_task_code_is_reported_once_per_job_and_not_retrained(default_p
     assert stop_requeue.read_text() == bug_lines[0] + "\n"  # for train.sbatch: no requeue
     # Attempts 0 and 1 trained (a retry may meet a transient fault's end); 2 ended before training.
     assert [int(n) for n in re.findall(r"run_id=\S+ restart=(\d)", ours)] == [0, 1], output
+
+
+@pytest.mark.slow
+def test_every_machine_of_a_job_ends_at_once_on_a_known_bug(default_project, tmp_path):
+    # Two 1-rank "machines" (two torchruns), one checkpoint folder: the rank that meets the bug writes the crash
+    # record under its own machine's torchrun; the other's rank only loses its peer. At the attempt after the
+    # bug was found, both end before training: one machine stopping alone would leave the other waiting in its
+    # first collective for the 31-minute timeout.
+    project = with_task_code(default_project, tmp_path, COLLATE_BUG)
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [start_job(project, tiny_run(num_workers=0, max_steps=100, ckpt_dir=tmp_path / "ckpt"),
+                       via="run_node.sh", nproc=1, max_restarts=2, NNODES="2", RDZV_ENDPOINT=endpoint,
+                       RDZV_ID="known-bug") for _ in range(2)]
+    outputs = [node.communicate(timeout=400)[0] for node in nodes]
+    assert all(node.returncode != 0 for node in nodes), outputs
+    output = "".join(outputs)
+    assert output.count("a bug, not a fault, so the job is not retried") == 1, output
+    assert sorted(int(n) for n in re.findall(r"run_id=known-bug restart=(\d)", output)) == [0, 1], output
 
 
 @pytest.mark.slow

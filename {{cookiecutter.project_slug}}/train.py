@@ -150,9 +150,9 @@ def main(argv: list[str] | None = None) -> None:
         task.check(options)
         check_checkpoint_dir(options.ckpt_dir)
         crashes = CrashRecord(options.ckpt_dir, env)
-        if crashes.known_bug():  # reported by an earlier attempt of this job, and nothing has changed since
-            sys.exit(1)
         with distributed_session(env, device, timeout=options.collective_timeout()) as store:
+            if crashes.known_bug_on_any_machine(device):  # found by an earlier attempt, nothing changed since
+                sys.exit(1)
             train(options, task, env, device, store)
     except UsageError as error:
         end_job_for_usage_error(error, env)  # one line per job; torchrun's retries end at once, silently

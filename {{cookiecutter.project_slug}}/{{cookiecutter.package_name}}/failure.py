@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 import traceback
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -38,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import list_checkpoints, list_sharded_checkpoints
+from .collectives import all_reduce_int
 from .distributed import DistEnv, PortTaken
 from .options import UsageError
 from .watchdog import REPORTING_A_HANG, process_identity
@@ -154,7 +156,7 @@ class CrashRecord:
 
     def write(self, crash: Crash, bug: bool) -> None:
         self.path.parent.mkdir(exist_ok=True)
-        partial = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+        partial = self.path.with_name(f".{self.path.name}.{uuid.uuid4().hex}")  # pids repeat across containers
         partial.write_text(json.dumps({"crash": asdict(crash), "bug": bug, "launcher": self.launcher}))
         os.replace(partial, self.path)
 
@@ -177,6 +179,13 @@ class CrashRecord:
         crash, bug, launcher = self.read()
         return bug and crash is not None and launcher == self.launcher and all(
             getattr(crash, name) == value for name, value in conditions_now(self.ckpt_dir).items())
+
+
+    def known_bug_on_any_machine(self, device: torch.device) -> bool:
+        """known_bug(), decided once for the whole job (a collective): the record names the machine whose rank
+        wrote it last, and a machine that stopped alone would leave the others waiting for it in their first
+        collective until the timeout."""
+        return all_reduce_int(int(self.known_bug()), device, "max") == 1
 
 
 def end_job_for_usage_error(error: UsageError, env: DistEnv | None) -> None:

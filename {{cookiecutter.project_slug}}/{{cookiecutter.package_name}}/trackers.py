@@ -64,7 +64,7 @@ class RunRecord:
         if run_id is not None:
             self.state["run_id"] = run_id
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        partial = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+        partial = self.path.with_name(f".{self.path.name}.{uuid.uuid4().hex}")  # pids repeat across containers
         partial.write_text(json.dumps(self.state))
         os.replace(partial, self.path)
 

@@ -4,8 +4,12 @@ protocol of a Checkpointer (its subclasses write and read the files)."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import json
 import logging
 import os
+import socket
 import tempfile
 import time
 import uuid
@@ -14,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..collectives import all_reduce_int, barrier, broadcast_object
+from ..collectives import all_reduce_int, barrier, broadcast_object, from_first_rank_with
 from ..distributed import DistEnv
 from ..options import TrainOptions, UsageError, every_option, fixed_under_a_checkpoint, flag
 from ..parallel import check_replicas_match, sync_buffers_from_main
@@ -66,10 +70,15 @@ def fsync_directory(folder: Path) -> None:
         os.close(directory)
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message, or its type where it has none."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 def checkpoint_mismatch(path: Path, error: Exception) -> UsageError:
     """The one line for a checkpoint that loads but does not fit what this run built."""
-    first_line = str(error).strip().splitlines()[0]
-    return UsageError(f"{path} does not fit this model or optimizer ({first_line}); "
+    return UsageError(f"{path} does not fit this model or optimizer ({first_line(error)}); "
                       "use another --ckpt-dir, or the options it was trained with")
 
 
@@ -131,6 +140,61 @@ def elect_writers(ckpt_dir: Path, env: DistEnv, device: torch.device) -> tuple[b
         probe.unlink()
     writers = all_reduce_int(int(is_writer), device, "sum")
     return is_writer, writers
+
+
+LEASE_FILE = ".lease"  # in --ckpt-dir: which job holds it
+
+
+def hold_checkpoint_folder(ckpt_dir: Path, env: DistEnv, device: torch.device, holder: bool):
+    """One job per --ckpt-dir: `holder` ranks (one per storage, the checkpoint writers) lock <ckpt-dir>/.lease
+    for the life of their process, with fcntl.flock, which works on local disks, NFSv4 and Lustre mounted with
+    -o flock. A second job on the folder (a resubmission while the first still runs, two people with the
+    default folder) would delete the first's save in progress, write the same step-<N> and prune the other's;
+    it stops here instead, with one line naming the holder. The kernel releases the lock when the holding
+    process ends, however it ends, so a killed job never blocks the next one. A collective: call on every rank.
+
+    Returns the open lease (keep it open) on a holder, None elsewhere."""
+    lease, problem = None, None
+    if holder:
+        lease, problem = take_lease(ckpt_dir / LEASE_FILE, env)
+    problem = from_first_rank_with(problem, device)  # every rank stops, or none
+    if problem:
+        raise UsageError(problem)
+    return lease
+
+
+def take_lease(path: Path, env: DistEnv):
+    """(the open lease, None) or (None, why it is held by another job)."""
+    lease = open(path, "a+")  # noqa: SIM115 - held open as long as this process lives
+    # A restarted attempt of this job may start while the last one's process is still being ended.
+    deadline = time.monotonic() + (30 if env.launched_by_torchrun and env.restart_count else 0)
+    while True:
+        try:
+            fcntl.flock(lease, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError as error:
+            if error.errno not in (errno.EAGAIN, errno.EACCES):  # ENOLCK: a filesystem without locks
+                log.warning("cannot lock %s (%s), so another job on this folder would not be stopped",
+                            path, error.strerror)
+                return lease, None
+            lease.seek(0)
+            try:
+                held = json.loads(lease.read())
+            except ValueError:  # its holder is still writing it
+                held = {}
+            if held.get("run_id") == env.run_id and time.monotonic() < deadline:
+                time.sleep(0.2)
+                continue
+            lease.close()
+            holder = ", ".join(f"{key} {held[key]}" for key in ("run_id", "host", "pid", "since") if key in held)
+            return None, (f"--ckpt-dir {path.parent} is in use by another job ({holder or 'holder unknown'}); "
+                          "wait for it to end, or give this job another --ckpt-dir")
+    lease.seek(0)
+    lease.truncate()
+    lease.write(json.dumps({"run_id": env.run_id, "host": socket.gethostname(), "pid": os.getpid(),
+                            "since": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
+    lease.flush()
+    return lease, None
 
 
 class Checkpointer:

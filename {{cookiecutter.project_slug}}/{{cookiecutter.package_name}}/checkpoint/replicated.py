@@ -6,6 +6,7 @@ import os
 import pickle
 import re
 import tempfile
+import zipfile
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -14,7 +15,15 @@ import torch
 from ..collectives import all_reduce_int, broadcast_object, from_first_rank_with
 from ..options import UsageError, every_option
 from ..reproducibility import gather_rng_states
-from .common import Checkpointer, TrainingProgress, elect_writers, fsync_directory, log
+from .common import (
+    Checkpointer,
+    TrainingProgress,
+    elect_writers,
+    first_line,
+    fsync_directory,
+    hold_checkpoint_folder,
+    log,
+)
 
 CHECKPOINT_NAME = re.compile(r"step-(\d+)\.pt")
 
@@ -66,29 +75,49 @@ NOT_COMPONENTS = FORMAT_KEYS | {"world_size", "cpu_rng_states", "cuda_rng_states
 
 
 def load_newest_valid(ckpt_dir: Path) -> tuple[tuple[Path, dict] | None, str | None]:
-    """(the newest checkpoint that loads, why the job must stop instead). A corrupt one (truncated, not a
-    checkpoint, another step inside) is renamed to <name>.unreadable, out of the way of resuming and retention
-    but kept, with a warning naming it, and the one before it is tried. One that cannot be read now (an I/O
-    error) or that is readable but refused by weights_only loading stops the job: it is not corrupt, and
-    falling back would throw its steps away."""
+    """(the newest checkpoint that loads, why the job must stop instead). A torn one (a write cut short, bytes
+    that are no complete archive) is renamed to <name>.unreadable, out of the way of resuming and retention but
+    kept, with a warning naming it, and the one before it is tried. Any other failure stops the job: one that
+    cannot be read now (an I/O error, not enough memory), or a whole file that this code or this torch refuses
+    (weights_only, a newer format, another step inside). It is not torn, and falling back would throw its steps
+    away."""
     for step, path in list_checkpoints(ckpt_dir):
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
-            missing = FORMAT_KEYS - set(state) if isinstance(state, dict) else FORMAT_KEYS
-            if missing or state["step"] != step:
-                raise ValueError(f"missing {sorted(missing)}" if missing else f"holds step {state['step']}")
-            return (path, state), None
         except OSError as error:
             return None, f"{path} cannot be read ({error.strerror or error}); fix the storage and run again"
-        except Exception as error:  # noqa: BLE001 - anything else is corrupt, or refused though readable
-            if isinstance(error, pickle.UnpicklingError) and (unsafe := unsafe_globals(path)):
-                return None, (f"{path} holds {', '.join(sorted(unsafe))}, which torch.load(weights_only=True) refuses; "
-                              "resume with the code that wrote it, or load and re-save it without them")
+        except Exception as error:  # noqa: BLE001 - torn, or whole and refused
+            if not is_torn(path):
+                if isinstance(error, pickle.UnpicklingError) and (unsafe := unsafe_globals(path)):
+                    return None, (f"{path} holds {', '.join(sorted(unsafe))}, which torch.load(weights_only=True) "
+                                  "refuses; resume with the code that wrote it, or load and re-save it without them")
+                return None, (f"{path} is a whole file that this run cannot load ({type(error).__name__}: "
+                              f"{first_line(error)}); resume with the code and torch that wrote it, or move it "
+                              f"out of {ckpt_dir}")
             kept = path.with_name(f"{path.name}.unreadable")
             os.replace(path, kept)
             log.warning("skipping unreadable checkpoint %s (%s: %s); kept as %s", path, type(error).__name__,
-                        str(error).strip().splitlines()[0] if str(error).strip() else "", kept.name)
+                        first_line(error), kept.name)
+            continue
+        missing = FORMAT_KEYS - set(state) if isinstance(state, dict) else FORMAT_KEYS
+        if missing or state["step"] != step:
+            held = f"lacks {', '.join(sorted(missing))}" if missing else f"holds step {state['step']}"
+            return None, (f"{path} is no training checkpoint of step {step} ({held}); move it out of {ckpt_dir}, "
+                          "or use another --ckpt-dir")
+        return (path, state), None
     return None, None
+
+
+def is_torn(path: Path) -> bool:
+    """Whether `path` is provably not what torch.save wrote whole: no complete zip archive (a write cut short
+    loses the archive's directory at its end), or a member whose bytes fail their checksum."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return archive.testzip() is not None
+    except (zipfile.BadZipFile, EOFError, ValueError):
+        return True
+    except OSError:  # unreadable now: not proof of anything
+        return False
 
 
 def unsafe_globals(path: Path) -> list[str]:
@@ -130,10 +159,12 @@ class ReplicatedCheckpointer(Checkpointer):
     def __init__(self, options, env, device, **components):
         super().__init__(options, env, device, **components)
         self.is_writer, writers = elect_writers(self.ckpt_dir, env, device)
+        self.lease = hold_checkpoint_folder(self.ckpt_dir, env, device, holder=self.is_writer)
         log.info("checkpoints in %s, written by %d %s", self.ckpt_dir, writers,
                  "node (shared folder)" if writers == 1 else "nodes (node-local folders)")
         if self.is_writer:
-            # Only this rank writes here, and it is not saving yet: any temporary file is a dead save's.
+            # Only this rank writes here (the lease keeps other jobs out), and it is not saving yet: any
+            # temporary file is a dead save's.
             for leftover in self.ckpt_dir.glob(".step-*.pt.*.tmp"):
                 leftover.unlink(missing_ok=True)
                 log.warning("removed %s, left by a save that was interrupted", leftover)

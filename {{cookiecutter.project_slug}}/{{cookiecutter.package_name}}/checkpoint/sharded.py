@@ -21,7 +21,14 @@ from ..collectives import barrier, broadcast_object
 from ..optim import member_optimizers
 from ..options import UsageError, every_option
 from ..reproducibility import gather_rng_states
-from .common import Checkpointer, TrainingProgress, elect_writers, fsync_directory, log
+from .common import (
+    Checkpointer,
+    TrainingProgress,
+    elect_writers,
+    fsync_directory,
+    hold_checkpoint_folder,
+    log,
+)
 
 # torch.distributed.checkpoint is imported where it is used: it imports DTensor, which costs every rank's
 # start (and restart) half a second where nothing is sharded.
@@ -38,9 +45,25 @@ def list_sharded_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
 
 
 def saved_options(folder: Path) -> dict | None:
-    """The TrainOptions a step-<N>/ folder was saved with (None: saved before options were recorded)."""
-    path = folder / OPTIONS_FILE
-    return json.loads(path.read_text()) if path.exists() else None
+    """The TrainOptions a step-<N>/ folder was saved with (None: saved before options were recorded, or the file
+    is torn)."""
+    try:
+        return json.loads((folder / OPTIONS_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        log.warning("%s is torn; resuming without comparing options", folder / OPTIONS_FILE)
+        return None
+
+
+def write_durably(path: Path, text: str) -> None:
+    """`text` in `path`, whole or not at all: a temporary name, fsync, rename."""
+    partial = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+    with open(partial, "w") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(partial, path)
 
 
 def missing_pieces(folder: Path) -> str | None:
@@ -73,12 +96,14 @@ class ShardedCheckpointer(Checkpointer):
 
     def __init__(self, options, env, device, **components):
         super().__init__(options, env, device, **components)
-        _, storages = elect_writers(self.ckpt_dir, env, device)
+        is_writer, storages = elect_writers(self.ckpt_dir, env, device)
+        self.lease = hold_checkpoint_folder(self.ckpt_dir, env, device, holder=is_writer)
         if storages > 1:
             raise UsageError(f"--ckpt-dir {self.ckpt_dir} is a different folder on each node, but --strategy "
                              "fsdp2 checkpoints are written by every rank; use a folder all nodes share")
         log.info("sharded checkpoints in %s, written by all %d ranks", self.ckpt_dir, env.world_size)
-        if env.is_main_process:
+        if env.is_main_process:  # under the lease: no other job's save is in progress here
+            recover_published(self.ckpt_dir)
             for leftover in self.ckpt_dir.glob(".step-*.partial"):
                 shutil.rmtree(leftover, ignore_errors=True)
                 log.warning("removed %s, left by a save that was interrupted", leftover)
@@ -114,7 +139,7 @@ class ShardedCheckpointer(Checkpointer):
         partial = self.ckpt_dir / f".step-{progress.step}.partial"
         dcp.save(self._state(progress, self.env.world_size), checkpoint_id=partial)  # all shards and .metadata
         if self.env.is_main_process:
-            (partial / OPTIONS_FILE).write_text(json.dumps(every_option(self.options), indent=1))
+            write_durably(partial / OPTIONS_FILE, json.dumps(every_option(self.options), indent=1))
             publish(partial, final)
             for _, old in list_sharded_checkpoints(self.ckpt_dir)[self.keep:]:
                 if old != final:  # never the one just written, whatever steps older folders claim
@@ -172,11 +197,24 @@ def saved_names(source: Path) -> tuple[set[str], set[str]]:
 
 
 def publish(partial: Path, final: Path) -> None:
-    """Rename the finished folder into place (replacing a same-step folder from an earlier attempt), and make
-    the rename durable."""
+    """Rename the finished folder into place, and make the rename durable. A same-step folder from an earlier
+    attempt is moved aside first (a folder cannot be renamed over a full one) and deleted only once the new one
+    is in place; a kill in between leaves it aside, and recover_published() puts it back."""
+    stale = final.with_name(f".{final.name}.stale-{uuid.uuid4().hex}")
     if final.exists():
-        stale = final.with_name(f".{final.name}.stale-{uuid.uuid4().hex}")
         os.replace(final, stale)
-        shutil.rmtree(stale, ignore_errors=True)
     os.replace(partial, final)
     fsync_directory(final.parent)
+    shutil.rmtree(stale, ignore_errors=True)
+
+
+def recover_published(ckpt_dir: Path) -> None:
+    """After a kill during publish(): a step moved aside whose new folder never arrived goes back in place; one
+    that was replaced is deleted."""
+    for stale in ckpt_dir.glob(".step-*.stale-*"):
+        final = ckpt_dir / stale.name[1:].split(".stale-")[0]
+        if final.exists():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            os.replace(stale, final)
+            log.warning("put %s back in place: a save of the same step was interrupted", final)
