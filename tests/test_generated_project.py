@@ -249,7 +249,8 @@ def test_only_an_error_raised_in_the_projects_own_files_and_no_machine_fault_can
                   "raise TimeoutError('timed out')", "raise MemoryError()",
                   "raise torch.AcceleratorError('CUDA error: uncorrectable ECC error encountered')",
                   "raise RuntimeError('CUDA error: an illegal memory access was encountered')",
-                  "try:\n    open('/nonexistent/x')\nexcept OSError as e:\n    raise ValueError('could not read') from e"):
+                  "try:\n    open('/nonexistent/x')\nexcept OSError as e:\n"
+                  "    raise ValueError('could not read') from e"):
         assert not failure.could_be_a_bug(raised_in(task, fault)), fault
     # A DataLoader worker's error, re-raised by torch in the training process: the worker's frames decide.
     worker = RuntimeError(f'Caught ValueError in DataLoader worker process 0.\nOriginal Traceback (most recent call '

@@ -258,7 +258,9 @@ def test_every_machine_of_a_job_ends_at_once_on_a_known_bug(default_project, tmp
     assert all(node.returncode != 0 for node in nodes), outputs
     output = "".join(outputs)
     assert output.count("a bug, not a fault, so the job is not retried") == 1, output
-    assert sorted(int(n) for n in re.findall(r"run_id=known-bug restart=(\d)", output)) == [0, 1], output
+    # Two attempts trained (rank 0 says so; a machine restarted because the other failed counts no restart of
+    # its own), and the third ended on both machines before training.
+    assert len(re.findall(r"run_id=known-bug restart=\d", output)) == 2, output
 
 
 @pytest.mark.slow

@@ -3,7 +3,9 @@ process: the value itself): what metrics, checkpoints and the task's downloads s
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -66,14 +68,41 @@ def from_first_rank_with(value, device: torch.device):
     return None if source == world_size else broadcast_object(value, source_rank=source)
 
 
-def run_once_per_node(env: DistEnv, device: torch.device, action: Callable[[], None], what: str) -> None:
-    """Run `action` on local rank 0 of every node while the node's other ranks wait (e.g. a download).
+def first_node_on_its_storage(folder: Path, env: DistEnv, device: torch.device) -> tuple[bool, int]:
+    """(whether this rank is the first rank of the first node that sees `folder`'s storage, how many storages
+    the nodes see): one rank per storage, whether the folder is shared by every node, local to each, or a mix.
+
+    The first rank of every node leaves a probe file; a node is first if no lower-numbered node's probe is
+    visible to it. A collective: call on every rank."""
+    token = broadcast_object(uuid.uuid4().hex if env.is_main_process else None)
+    probe = folder / f".storage-probe-{token}-node{env.node_rank}"
+    if env.is_local_main_process:
+        probe.touch()
+    barrier(device)
+    is_first = False
+    if env.is_local_main_process:
+        visible = [int(path.name.rsplit("node", 1)[1]) for path in folder.glob(f".storage-probe-{token}-*")]
+        is_first = min(visible) == env.node_rank
+    barrier(device)
+    if env.is_local_main_process:
+        probe.unlink()
+    return is_first, all_reduce_int(int(is_first), device, "sum")
+
+
+def run_once_per_storage(folder: str | Path, env: DistEnv, device: torch.device, action: Callable[[], None],
+                         what: str) -> None:
+    """Run `action` (a download into `folder`) on one rank per storage behind `folder` while every other rank
+    waits: nodes sharing a network folder download once, instead of all at once into the same files (each
+    truncating the others' archive); nodes with local disks each download their own.
 
     A failure is shared with every rank, so all of them stop with the same error instead of the others
     hanging in a barrier until the timeout.
     """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    downloads, _ = first_node_on_its_storage(folder, env, device)
     failure = None
-    if env.is_local_main_process:
+    if downloads:
         try:
             action()
         except Exception as error:  # noqa: BLE001 - reported on every rank below

@@ -5,14 +5,15 @@
   (train.sbatch) is told not to requeue;
 - a rank that lost a peer (killed, its machine gone) prints one line, not a traceback: torchrun restarts the
   group from the newest checkpoint, which is the recovery, not a second error;
-- a bug (the same exception at the same place in this project's own files, from the same checkpoint, with the
-  same code and command, in two attempts in a row) is reported once per job: the first attempt's traceback (one rank's; the others name
-  it), one line from the retry that met it again, and silence from any later attempt under the same torchrun,
-  which ends at once instead of retraining the same steps into the same error. torchrun has no exit status
-  that means "do not restart" (pytorch/pytorch#133877), so the later attempts still start, and end within
-  seconds. Only what code can fix is a bug: a fault of the machine (a communication error of NCCL or gloo, an
-  accelerator error such as an uncorrectable ECC error, I/O, memory, a timeout) fails the same way at every
-  attempt on the same machines, and is retried and requeued, which can move the job to other ones.
+- a bug (the same exception at the same place in this project's own files, from the same checkpoint, with
+  the same code and command, in two attempts in a row) is reported once per job: the first attempt's
+  traceback (one rank's; the others name it), one line from the retry that met it again, and silence from
+  any later attempt under the same torchrun, which ends at once instead of retraining the same steps into
+  the same error. torchrun has no exit status that means "do not restart" (pytorch/pytorch#133877), so the
+  later attempts still start, and end within seconds. Only what code can fix is a bug: a fault of the
+  machine (a communication error of NCCL or gloo, an accelerator error such as an uncorrectable ECC error,
+  I/O, memory, a timeout) fails the same way at every attempt on the same machines, and is retried and
+  requeued, which can move the job to other ones.
 
 The record of the last crash lives in <ckpt-dir>/.crashes/, one file per job (its rendezvous id, which the
 requeues of a multi-node Slurm job share; `torchrun --standalone`, one node, draws a new id each time): a
@@ -51,8 +52,8 @@ PACKAGE_ROOT = Path(__file__).resolve().parent
 PROJECT_ROOT = PACKAGE_ROOT.parent
 # Faults of the machine, whatever the code: a communication error (DistError: NCCL's "unhandled system error",
 # a store timeout), an accelerator's error (torch >= 2.8: "uncorrectable ECC error"), I/O, host memory.
-MACHINE_FAULTS = (dist.DistError, OSError, MemoryError, *((torch.AcceleratorError,) if hasattr(torch, "AcceleratorError")
-                                                          else ()))
+MACHINE_FAULTS = (dist.DistError, OSError, MemoryError,
+                  *((torch.AcceleratorError,) if hasattr(torch, "AcceleratorError") else ()))
 # A DataLoader worker's exception reaches the training process re-raised by torch, with the worker's own
 # traceback in its message.
 WORKER_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+)', re.MULTILINE)

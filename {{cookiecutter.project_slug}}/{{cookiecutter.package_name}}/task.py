@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import Dataset
 from torchvision import datasets, transforms
 
-from .collectives import run_once_per_node
+from .collectives import run_once_per_storage
 from .distributed import DistEnv
 from .options import TrainOptions, UsageError, option
 from .registry import MODELS, register_dataset, register_model
@@ -165,8 +165,9 @@ def fake_images(options: TrainOptions, env: DistEnv, device: torch.device) -> tu
 def cifar10(options: TrainOptions, env: DistEnv, device: torch.device) -> tuple[Dataset, Dataset]:
     normalize = transforms.Compose([transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
     augment = transforms.Compose([transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(), normalize])
-    run_once_per_node(env, device, lambda: datasets.CIFAR10(options.task.data_dir, download=True),
-                      what=f"downloading CIFAR-10 into {options.task.data_dir}")
+    # Once per storage: nodes sharing --data-dir download once, not all at once into the same archive.
+    run_once_per_storage(options.task.data_dir, env, device, lambda: datasets.CIFAR10(options.task.data_dir,
+                         download=True), what=f"downloading CIFAR-10 into {options.task.data_dir}")
     return (datasets.CIFAR10(options.task.data_dir, train=True, transform=augment),
             datasets.CIFAR10(options.task.data_dir, train=False, transform=normalize))
 

@@ -12,13 +12,12 @@ import os
 import socket
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 
-from ..collectives import all_reduce_int, barrier, broadcast_object, from_first_rank_with
+from ..collectives import first_node_on_its_storage, from_first_rank_with
 from ..distributed import DistEnv
 from ..options import TrainOptions, UsageError, every_option, fixed_under_a_checkpoint, flag
 from ..parallel import check_replicas_match, sync_buffers_from_main
@@ -121,25 +120,9 @@ def check_resumed_options(saved: dict | None, options: TrainOptions, source: Pat
 
 
 def elect_writers(ckpt_dir: Path, env: DistEnv, device: torch.device) -> tuple[bool, int]:
-    """(is this rank a writer, how many writers): one per distinct storage behind --ckpt-dir.
-
-    The first rank of every node leaves a probe file; a node writes only if no lower-numbered node's
-    probe is visible to it, i.e. it is the first node on its storage. A collective: call on every rank.
-    """
-    token = broadcast_object(uuid.uuid4().hex if env.is_main_process else None)
-    probe = ckpt_dir / f".writer-probe-{token}-node{env.node_rank}"
-    if env.is_local_main_process:
-        probe.touch()
-    barrier(device)
-    is_writer = False
-    if env.is_local_main_process:
-        visible = [int(path.name.rsplit("node", 1)[1]) for path in ckpt_dir.glob(f".writer-probe-{token}-*")]
-        is_writer = min(visible) == env.node_rank
-    barrier(device)
-    if env.is_local_main_process:
-        probe.unlink()
-    writers = all_reduce_int(int(is_writer), device, "sum")
-    return is_writer, writers
+    """(is this rank a writer, how many writers): one per distinct storage behind --ckpt-dir, the first rank of
+    the first node on it. A collective: call on every rank."""
+    return first_node_on_its_storage(ckpt_dir, env, device)
 
 
 LEASE_FILE = ".lease"  # in --ckpt-dir: which job holds it
