@@ -98,15 +98,17 @@ def run_once_per_storage(folder: str | Path, env: DistEnv, device: torch.device,
     A failure is shared with every rank, so all of them stop with the same error instead of the others
     hanging in a barrier until the timeout.
     """
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    downloads, _ = first_node_on_its_storage(folder, env, device)
-    failure = None
-    if downloads:
+    def attempt(step: Callable[[], object]) -> None:
+        failure = None
         try:
-            action()
+            step()
         except Exception as error:  # noqa: BLE001 - reported on every rank below
             failure = f"{what} failed on node {env.node_rank}: {error}"
-    failure = from_first_rank_with(failure, device)  # every rank gets the first failing node's message
-    if failure:
-        raise UsageError(failure)
+        failure = from_first_rank_with(failure, device)  # every rank gets the first failing node's message
+        if failure:
+            raise UsageError(failure)
+
+    folder = Path(folder)
+    attempt(lambda: folder.mkdir(parents=True, exist_ok=True))  # where the storage is probed
+    downloads, _ = first_node_on_its_storage(folder, env, device)
+    attempt(action if downloads else lambda: None)

@@ -165,7 +165,6 @@ def fake_images(options: TrainOptions, env: DistEnv, device: torch.device) -> tu
 def cifar10(options: TrainOptions, env: DistEnv, device: torch.device) -> tuple[Dataset, Dataset]:
     normalize = transforms.Compose([transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
     augment = transforms.Compose([transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(), normalize])
-    # Once per storage: nodes sharing --data-dir download once, not all at once into the same archive.
     run_once_per_storage(options.task.data_dir, env, device, lambda: datasets.CIFAR10(options.task.data_dir,
                          download=True), what=f"downloading CIFAR-10 into {options.task.data_dir}")
     return (datasets.CIFAR10(options.task.data_dir, train=True, transform=augment),
