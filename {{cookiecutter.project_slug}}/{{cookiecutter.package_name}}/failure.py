@@ -181,7 +181,6 @@ class CrashRecord:
         return bug and crash is not None and launcher == self.launcher and all(
             getattr(crash, name) == value for name, value in conditions_now(self.ckpt_dir).items())
 
-
     def known_bug_on_any_machine(self, device: torch.device) -> bool:
         """known_bug(), decided once for the whole job (a collective): the record names the machine whose rank
         wrote it last, and a machine that stopped alone would leave the others waiting for it in their first

@@ -1,6 +1,6 @@
 """What both kinds of checkpoint share: where training stands (TrainingProgress), the checks on --ckpt-dir and
-on options changed since the checkpoint, one writer per storage, durable renames, and the save / resume
-protocol of a Checkpointer (its subclasses write and read the files)."""
+on options changed since the checkpoint, the lease that keeps one job per folder, durable renames, and the
+save / resume protocol of a Checkpointer (its subclasses write and read the files)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..collectives import first_node_on_its_storage, from_first_rank_with
+from ..collectives import from_first_rank_with
 from ..distributed import DistEnv
 from ..options import TrainOptions, UsageError, every_option, fixed_under_a_checkpoint, flag
 from ..parallel import check_replicas_match, sync_buffers_from_main
@@ -117,12 +117,6 @@ def check_resumed_options(saved: dict | None, options: TrainOptions, source: Pat
             change + (f" ({EFFECT_OF_CHANGING[name]})" if name in EFFECT_OF_CHANGING else "")
             for change, name in zip(changes, changed, strict=True)))
     return changes
-
-
-def elect_writers(ckpt_dir: Path, env: DistEnv, device: torch.device) -> tuple[bool, int]:
-    """(is this rank a writer, how many writers): one per distinct storage behind --ckpt-dir, the first rank of
-    the first node on it. A collective: call on every rank."""
-    return first_node_on_its_storage(ckpt_dir, env, device)
 
 
 LEASE_FILE = ".lease"  # in --ckpt-dir: which job holds it

@@ -12,13 +12,12 @@ from pathlib import Path
 
 import torch
 
-from ..collectives import all_reduce_int, broadcast_object, from_first_rank_with
+from ..collectives import all_reduce_int, broadcast_object, first_node_on_its_storage, from_first_rank_with
 from ..options import UsageError, every_option
 from ..reproducibility import gather_rng_states
 from .common import (
     Checkpointer,
     TrainingProgress,
-    elect_writers,
     first_line,
     fsync_directory,
     hold_checkpoint_folder,
@@ -158,7 +157,8 @@ class ReplicatedCheckpointer(Checkpointer):
 
     def __init__(self, options, env, device, **components):
         super().__init__(options, env, device, **components)
-        self.is_writer, writers = elect_writers(self.ckpt_dir, env, device)
+        # One writer per storage behind --ckpt-dir: shared by every node, or local to each.
+        self.is_writer, writers = first_node_on_its_storage(self.ckpt_dir, env, device)
         self.lease = hold_checkpoint_folder(self.ckpt_dir, env, device, holder=self.is_writer)
         log.info("checkpoints in %s, written by %d %s", self.ckpt_dir, writers,
                  "node (shared folder)" if writers == 1 else "nodes (node-local folders)")

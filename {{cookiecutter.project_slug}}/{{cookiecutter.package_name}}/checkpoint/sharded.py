@@ -17,14 +17,13 @@ from pathlib import Path
 
 import torch
 
-from ..collectives import barrier, broadcast_object
+from ..collectives import barrier, broadcast_object, first_node_on_its_storage
 from ..optim import member_optimizers
 from ..options import UsageError, every_option
 from ..reproducibility import gather_rng_states
 from .common import (
     Checkpointer,
     TrainingProgress,
-    elect_writers,
     fsync_directory,
     hold_checkpoint_folder,
     log,
@@ -96,7 +95,7 @@ class ShardedCheckpointer(Checkpointer):
 
     def __init__(self, options, env, device, **components):
         super().__init__(options, env, device, **components)
-        is_writer, storages = elect_writers(self.ckpt_dir, env, device)
+        is_writer, storages = first_node_on_its_storage(self.ckpt_dir, env, device)
         self.lease = hold_checkpoint_folder(self.ckpt_dir, env, device, holder=is_writer)
         if storages > 1:
             raise UsageError(f"--ckpt-dir {self.ckpt_dir} is a different folder on each node, but --strategy "
