@@ -19,6 +19,7 @@ from helpers import (
     checkpoint,
     free_port,
     make_image_folder,
+    metric_rows,
     paused,
     run,
     run_job,
@@ -452,6 +453,49 @@ def test_sigterm_at_an_epochs_last_step_stops_before_its_evaluation(default_proj
     assert "stopped by SIGTERM after step 32" in output, output
     assert "eval loss" not in output.split("step 1:", 1)[1], output  # no evaluation after the one-batch check
     assert_bitwise_equal(checkpoint(tmp_path, 32), checkpoint(uninterrupted_bare, 32))
+
+
+SIGTERM_WHEN_EPOCH_0_IS_EVALUATED = """
+import os
+from pathlib import Path
+if os.environ.get("RANK") == "0" and not Path(os.environ["FIRED"]).exists():
+    import signal
+    import time
+    import torch
+
+    calls = 0
+    plain_eval = torch.nn.Module.eval
+
+    def eval_then_preempted(self):  # call 1: the one-batch check before training; call 2: epoch 0's evaluation
+        global calls
+        calls += 1
+        if calls == 2:
+            Path(os.environ["FIRED"]).touch()
+            os.kill(os.getppid(), signal.SIGTERM)  # torchrun forwards it to every worker
+            time.sleep(1)
+        return plain_eval(self)
+
+    torch.nn.Module.eval = eval_then_preempted
+"""
+
+
+def test_a_sigterm_during_an_evaluation_stops_within_it_and_the_resumed_job_evaluates_first(default_project,
+                                                                                             tmp_path):
+    # 128 steps an epoch; 32 held-out batches per rank, so the stop is asked for after 16 of them.
+    args = tiny_run(fake_samples=512, batch_size=2, epochs=2, max_steps=None, eval_every=1, num_workers=0,
+                    ckpt_every=1000, ckpt_dir=tmp_path / "ckpt", log_dir=tmp_path / "logs")
+    fault = with_fault(tmp_path, SIGTERM_WHEN_EPOCH_0_IS_EVALUATED)
+    preempted = run_job(default_project, args, FIRED=str(tmp_path / "fired"), **fault)
+    assert (tmp_path / "fired").exists() and preempted.returncode != 0, preempted.stderr
+    assert "stopped by SIGTERM after step 128" in preempted.stderr, preempted.stderr  # not after one more step
+    assert "| eval " not in preempted.stderr, preempted.stderr  # the cut evaluation is not reported as one
+    resumed = run_job(default_project, args, FIRED=str(tmp_path / "fired"), **fault)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming from {tmp_path / 'ckpt' / 'step-128.pt'}" in resumed.stderr
+    log = resumed.stderr
+    assert -1 < log.find("step 128 | epoch 1 | eval loss") < log.find(" step 129 |"), log  # due, so done first
+    evaluations = [row["step"] for row in metric_rows(tmp_path / "logs") if row["kind"] == "eval"]
+    assert evaluations == [128, 256], evaluations  # each epoch's evaluation once, over both runs
 
 
 # Steps of 4 s on both ranks (first attempt only), and rank 1 hangs after its 2nd optimizer step, past the step's

@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import mmap
 import re
+import time
 from pathlib import Path
 
 import pytest
-from helpers import assert_project_tests_pass, flags, main_in_this_process, make_image_folder, run, run_job, start_nodes
+from helpers import (
+    BIN,
+    assert_project_tests_pass,
+    flags,
+    main_in_this_process,
+    make_image_folder,
+    run,
+    run_job,
+    start_nodes,
+)
 
 # The default model (resnet18) and every default a user gets, on small fake images.
 TINY = flags(data="fake", image_size=16, batch_size=16, num_workers=0, device="cpu")
@@ -171,28 +181,59 @@ def test_a_failed_download_stops_every_rank_instead_of_hanging(default_project, 
     assert "failed on node 0: [Errno 20] Not a directory" in result.stderr
 
 
+SIGTERM_DURING_THE_FIRST_STEP = """
+import os, signal, time
+from ddp_training.distributed import DistEnv
+from ddp_training.watchdog import Watchdog
+watchdog = Watchdog(DistEnv(), None, step_timeout=60, io_timeout=60)
+watchdog.beat(0)  # step 1 begins, and no step has been timed yet
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(2.5)  # a first step (compilation, autotuning, the loaders' start) longer than a timed step's patience
+print("still stepping after SIGTERM:", watchdog.sigterm_received)
+watchdog.beat(1)
+watchdog.beat(2)  # a timed step of ~0 s: now a rank stuck after SIGTERM waits for a peer that has gone
+time.sleep(30)
+"""
+
+
+def test_a_sigterm_before_the_first_timed_step_leaves_that_step_time_to_end(default_project):
+    # With no step timed, the patience for a rank that seems to wait for a gone peer was 1 s: a SIGTERM
+    # during a slow first step ended a healthy rank before it could save.
+    started = time.monotonic()
+    result = run([str(BIN / "python"), "-c", SIGTERM_DURING_THE_FIRST_STEP], cwd=default_project, timeout=60)
+    assert "still stepping after SIGTERM: True" in result.stdout, result.stderr
+    assert result.returncode == 143 and "SIGTERM while step 3 has waited" in result.stderr, result.stderr
+    assert time.monotonic() - started < 25, result.stderr
+
+
 def test_on_nccl_the_hang_report_uses_torchs_flight_recorder(baked_train, tmp_path, monkeypatch):
     # NCCL collectives return once queued, so a healthy rank's stack is not "waiting for others" and cannot
     # name the stopped rank; torch's flight recorder, dumped on every rank when one times out, can.
     import torch
-    from ddp_training.distributed import nccl_flight_recorder_settings
+    from ddp_training.distributed import DistEnv, nccl_flight_recorder_settings
     from ddp_training.watchdog import hang_summary
 
     monkeypatch.chdir(tmp_path)
-    settings = nccl_flight_recorder_settings()
-    assert (tmp_path / "hang-reports").is_dir()
+    job = DistEnv(run_id="job 1/a")  # two jobs started from one folder keep their own reports
+    settings = nccl_flight_recorder_settings(job)
+    assert (tmp_path / "hang-reports" / "job_1_a").is_dir()
     assert settings["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
-    assert settings["TORCH_FR_DUMP_TEMP_FILE"].endswith("hang-reports/nccl_trace_rank_")
+    assert settings["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "hang-reports/job_1_a/nccl_trace_rank_")
+    assert nccl_flight_recorder_settings(DistEnv(run_id="job2"))["TORCH_FR_DUMP_TEMP_FILE"].endswith(
+        "hang-reports/job2/nccl_trace_rank_")
     for name in settings:  # spelled as the installed torch reads them (not the older TORCH_NCCL_TRACE_BUFFER_SIZE)
         assert any(in_file(name.encode() + b"\0", Path(torch.__file__).parent / "lib" / library)
                    for library in ("libtorch_cuda.so", "libtorch_cpu.so")), name
     nccl = {rank: {"step": 10, "phase": "training step", "waiting_for_others": None} for rank in (0, 1)}
-    summary = hang_summary(nccl, silent=[])
-    assert "rank(s)" not in summary and "fr_trace hang-reports" in summary, summary
-    assert hang_summary(nccl, silent=[1]).startswith("HANG: rank(s) 1 stopped making progress (1 sent no report")
+    records = Path("hang-reports/job_1_a")
+    summary = hang_summary(nccl, silent=[], flight_records=records)
+    assert "rank(s)" not in summary and "fr_trace hang-reports/job_1_a`" in summary, summary
+    assert hang_summary(nccl, silent=[1], flight_records=records).startswith(
+        "HANG: rank(s) 1 stopped making progress (1 sent no report")
     gloo = {0: {**nccl[0], "waiting_for_others": True}, 1: {**nccl[1], "waiting_for_others": False}}
-    assert hang_summary(gloo, silent=[]).startswith("HANG: rank(s) 1 stopped making progress. Where each rank was: "
-                                                    "rank 0: step 10, training step, waiting for others")
+    assert hang_summary(gloo, silent=[], flight_records=records).startswith(
+        "HANG: rank(s) 1 stopped making progress. Where each rank was: "
+        "rank 0: step 10, training step, waiting for others")
 
 
 @pytest.mark.parametrize("restart_count, max_restarts, then", [

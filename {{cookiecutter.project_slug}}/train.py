@@ -88,7 +88,18 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
                         changed_options=checkpointer.changed_options)
     stop_requested = False
 
-    while not (stop_requested or progress.finished(options.epochs, options.max_steps)):
+    while not stop_requested:
+        if progress.evaluation_due:  # the epoch ended here; or a SIGTERM cut its evaluation short before a resume
+            with watchdog.slow_phase("evaluating"):
+                results = evaluate(model, eval_loader, device, amp, task,
+                                   stop=lambda: stop.agreed_now(watchdog.sigterm_received))
+            if results is None:  # SIGTERM reached some rank: saved as still due, evaluated on resume
+                stop_requested = True
+                break
+            meter.log_evaluation(progress.step, progress.epoch, results)
+            progress.evaluation_due = False
+        if progress.finished(options.epochs, options.max_steps):
+            break
         # Mid-epoch resume: skip exactly the samples this epoch has already trained on.
         train_loader.sampler.set_epoch(progress.epoch, start_sample=progress.samples_in_epoch)
         for micro_step, batch in enumerate(meter.timed(train_loader), start=1):
@@ -119,11 +130,8 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
             if stop_requested or progress.finished(options.epochs, options.max_steps):
                 break
         else:  # the epoch ran to its end
-            progress.next_epoch()
+            progress.next_epoch(options.eval_every)  # its evaluation is due, every --eval-every epochs
             stop_requested = stop.agreed_now(watchdog.sigterm_received)  # not after a long evaluation
-            if not stop_requested and options.eval_every and progress.epoch % options.eval_every == 0:
-                with watchdog.slow_phase("evaluating"):
-                    meter.log_evaluation(progress.step, progress.epoch, evaluate(model, eval_loader, device, amp, task))
 
     # meter.close() inside the phase, also on the SIGTERM exit: a tracker's last rows are sent within its limit.
     with watchdog.slow_phase("final checkpoint and evaluation"), contextlib.closing(meter):

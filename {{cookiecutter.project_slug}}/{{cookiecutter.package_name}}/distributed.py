@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
+import re
 import socket
 import time
 import uuid
@@ -91,6 +92,11 @@ class DistEnv:
         return self.local_rank == 0
 
     @property
+    def run_name(self) -> str:
+        """The run id as a file name: the same on every node, and another for another job."""
+        return re.sub(r"[^A-Za-z0-9_.-]", "_", self.run_id)
+
+    @property
     def num_nodes(self) -> int:
         # torchrun starts the same number of workers on every node.
         return self.world_size // self.local_world_size
@@ -136,7 +142,7 @@ def distributed_session(env: DistEnv, device: torch.device,
     """
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before init, so NCCL never puts every rank's context on cuda:0
-        for name, value in nccl_flight_recorder_settings().items():  # read when the process group starts
+        for name, value in nccl_flight_recorder_settings(env).items():  # read when the process group starts
             os.environ.setdefault(name, value)
     address = None
     if env.launched_by_torchrun:
@@ -153,18 +159,20 @@ def distributed_session(env: DistEnv, device: torch.device,
             dist.destroy_process_group()
 
 
-# Where hang reports go: the watchdog's, and NCCL's flight records (relative to where the job was started).
-HANG_REPORTS = "hang-reports"
+def hang_reports_folder(env: DistEnv) -> Path:
+    """Where this run's hang reports go (NCCL's flight records), relative to where the job was started: a
+    folder per run id, so two jobs started from one folder keep each other's."""
+    return Path("hang-reports") / env.run_name
 
 
-def nccl_flight_recorder_settings() -> dict[str, str]:
+def nccl_flight_recorder_settings(env: DistEnv) -> dict[str, str]:
     """NCCL's flight recorder: each rank keeps its last 2000 collectives, and when one rank's collective times
-    out, every rank writes them to hang-reports/nccl_trace_rank_<N>, for `python -m
-    torch.distributed.flight_recorder.fr_trace hang-reports` to show which collective each rank reached.
-    That, not a Python stack, tells where NCCL ranks wait: their collectives return as soon as they are queued.
-    (TORCH_NCCL_TRACE_BUFFER_SIZE is the older name of TORCH_FR_BUFFER_SIZE.)"""
-    folder = Path(HANG_REPORTS).resolve()
-    folder.mkdir(exist_ok=True)
+    out, every rank writes them to hang-reports/<run id>/nccl_trace_rank_<N>, for `python -m
+    torch.distributed.flight_recorder.fr_trace hang-reports/<run id>` to show which collective each rank
+    reached. That, not a Python stack, tells where NCCL ranks wait: their collectives return as soon as they
+    are queued. (TORCH_NCCL_TRACE_BUFFER_SIZE is the older name of TORCH_FR_BUFFER_SIZE.)"""
+    folder = hang_reports_folder(env).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
     return {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
             "TORCH_FR_DUMP_TEMP_FILE": str(folder / "nccl_trace_rank_")}
 

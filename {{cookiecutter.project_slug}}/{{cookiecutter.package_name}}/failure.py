@@ -141,7 +141,7 @@ class CrashRecord:
         self.ckpt_dir = Path(ckpt_dir)
         self.env = env
         folder = self.ckpt_dir / ".crashes"
-        name = re.sub(r"[^A-Za-z0-9_.-]", "_", env.run_id)
+        name = env.run_name
         self.path = folder / f"{name}.json"
         self.launcher = process_identity(os.getppid())  # torchrun's agent: unique while the machine is up
         launcher = re.sub(r"[^A-Za-z0-9_.-]", "_", self.launcher)

@@ -10,7 +10,7 @@ import math
 import shutil
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,15 +48,22 @@ def describe_job(env: DistEnv, device: torch.device) -> str:
             f"backend={backend_for(device)} device={device} run_id={env.run_id} restart={env.restart_count}")
 
 
+# How often an evaluation asks whether to stop: a blocking all-reduce of one number, cheap beside 16 forwards.
+STOP_CHECK_BATCHES = 16
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, device: torch.device, amp: MixedPrecision, task: Task,
-             max_batches: int | None = None) -> dict[str, float]:
+             max_batches: int | None = None, stop: Callable[[], bool] | None = None) -> dict[str, float] | None:
     """task.summarize(sums, outputs): task.evaluation_sums added up over the held-out split and over ranks (not
     a mean of per-rank means, which is wrong when shards differ in size), and task.evaluation_outputs'
     per-sample rows from every rank, if the task has it. A sum may be a tensor of any shape (a confusion
     matrix): summarize gets it as a float if it has one element, else as a tensor. Forwards run under
     training's autocast: as fast as training's, and the numbers are those of the model as trained.
     max_batches=1 is the check before training starts: a bug in the evaluation path shows at step 0.
+    `stop()`, a collective that says whether to stop now, is asked every STOP_CHECK_BATCHES batches (every
+    rank at the same ones): if it says so, the evaluation ends there and returns None, so that a SIGTERM
+    during a long evaluation still leaves time to save.
 
     Every rank runs the same number of batches: FSDP2 all-gathers inside forward, and a loss may hold
     collectives of its own (negatives from every rank), so a rank that stopped early would leave the others
@@ -76,10 +83,15 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, amp: MixedPre
         return sums, outputs
 
     totals, rows, batch, problem = None, [], None, None
-    for index, batch in enumerate(loader):
-        if index == batches:
-            break
-        batch = to_device(batch, device)
+    batches_left = iter(loader)
+    for index in range(most):
+        if stop is not None and index % STOP_CHECK_BATCHES == STOP_CHECK_BATCHES - 1 and stop():
+            model.train(was_training)
+            return None
+        if index >= batches:  # the same forwards and collectives as a counted batch, counted nowhere
+            evaluated(batch)
+            continue
+        batch = to_device(next(batches_left), device)
         sums, outputs = evaluated(batch)
         if outputs is not None:
             rows.append({name: value.detach().cpu() for name, value in outputs.items()})
@@ -88,8 +100,6 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, amp: MixedPre
             problem = problem or f"task.evaluation_sums returned {shapes_of(values)} after {shapes_of(totals)}"
             continue
         totals = values if totals is None else {name: totals[name] + value for name, value in values.items()}
-    for _ in range(most - batches):  # the same forwards and collectives as a counted batch, counted nowhere
-        evaluated(batch)
     model.train(was_training)
     sums = sum_across_ranks(totals, device, task.throughput_unit, problem)
     outputs = {}

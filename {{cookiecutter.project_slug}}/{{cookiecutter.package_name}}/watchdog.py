@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .distributed import HANG_REPORTS, DistEnv, StoreAddress, recording_job_sockets
+from .distributed import DistEnv, StoreAddress, hang_reports_folder, recording_job_sockets
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,10 @@ EXIT_CODE_AFTER_SIGTERM = 128 + signal.SIGTERM
 
 # Exit status of a rank that stopped making progress: non-zero, so torchrun restarts the group.
 EXIT_CODE_AFTER_HANG = 124
+# After SIGTERM, how long a rank may stay in a training step before any step has been timed, before it counts
+# as waiting for a peer that has gone: torchrun sends SIGKILL 30 s after SIGTERM (unless
+# TORCH_ELASTIC_SHUTDOWN_TIMEOUT says otherwise), which leaves some seconds to save.
+PATIENCE_BEFORE_A_TIMED_STEP = 20.0
 # Set while this rank's watchdog reports a hang, which ends with os._exit: a main thread whose collective
 # fails meanwhile (the stopped rank has left) waits for the report instead of exiting first (failure.py).
 REPORTING_A_HANG = threading.Event()
@@ -133,7 +137,9 @@ class Watchdog:
                 self._end_after_hang(what, step, now - since)
             # In a preemption every rank soon reaches the next step and stops there together; a rank still
             # inside the same training step a few step times after SIGTERM waits for a peer that has gone.
-            patience = 1.0 + 2 * self._longest_step
+            # Before a step has been timed (the first, with compilation, autotuning and the loaders' start),
+            # nothing says how long one takes: then it gets the time that is left to save in torchrun's grace.
+            patience = 1.0 + 2 * self._longest_step if self._longest_step else PATIENCE_BEFORE_A_TIMED_STEP
             if (self._sigterm_seen_at and not slow and now - since > patience
                     and now - self._sigterm_seen_at > patience):
                 log.error("[rank %d] SIGTERM while step %d has waited %.1f s for other ranks: one of them has "
@@ -179,8 +185,8 @@ class Watchdog:
         try:
             c10d = torch._C._distributed_c10d
             trace = getattr(c10d, "_dump_fr_trace", None) or c10d._dump_nccl_trace  # the older name
-            path = Path(HANG_REPORTS) / f"nccl_trace_rank_{self.env.rank}"
-            path.parent.mkdir(exist_ok=True)
+            path = hang_reports_folder(self.env) / f"nccl_trace_rank_{self.env.rank}"
+            path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(trace())  # pickled, as fr_trace reads it
             return f"NCCL flight recorder: {path.resolve()}\n"
         except Exception as error:  # noqa: BLE001 - the stack above is the report; this is extra
@@ -216,7 +222,7 @@ class Watchdog:
         silent = [rank for rank in range(self.env.world_size) if rank not in reports]
         self._end_frozen_ranks_on_this_machine(store, silent)
         if min(reports) == self.env.rank:  # the lowest live rank writes the summary
-            sys.stderr.write(hang_summary(reports, silent) + "\n")
+            sys.stderr.write(hang_summary(reports, silent, hang_reports_folder(self.env)) + "\n")
             sys.stderr.flush()
 
 
@@ -261,7 +267,7 @@ WAITING_WORDS = {True: "waiting for other ranks", False: "NOT waiting for other 
                  None: "NCCL: its flight record says which collective it reached"}
 
 
-def hang_summary(reports: dict[int, dict], silent: list[int]) -> str:
+def hang_summary(reports: dict[int, dict], silent: list[int], flight_records: Path) -> str:
     """One line naming the rank(s) that stopped: those that sent no report, and those whose main thread was not
     waiting for others. On NCCL the second cannot be read from a stack, and the flight records name them."""
     not_waiting = [rank for rank, seen in reports.items() if seen["waiting_for_others"] is False]
@@ -275,7 +281,7 @@ def hang_summary(reports: dict[int, dict], silent: list[int]) -> str:
                    + (f" ({', '.join(map(str, silent))} sent no report: stopped, or frozen)" if silent else ""))
     elif unknown:
         culprit = (f"no rank named by its stack on NCCL; `python -m torch.distributed.flight_recorder.fr_trace "
-                   f"{HANG_REPORTS}` shows which collective each rank reached")
+                   f"{flight_records}` shows which collective each rank reached")
     else:
         culprit = "every rank waits for the others: ranks called different collectives"
     return (f"HANG: {culprit}. Where each rank was: {where}. Stacks above; exiting so torchrun restarts the "

@@ -35,6 +35,7 @@ class TrainingProgress:
     epoch: int = 0
     samples_in_epoch: int = 0  # global samples (all ranks) of this epoch already trained on
     samples_seen: int = 0  # global samples trained on in all, what the lr schedule follows
+    evaluation_due: bool = False  # the epoch that ended here is still to be evaluated (a SIGTERM cut it short)
 
     def advance(self, samples_per_step: int) -> None:
         """After an optimizer step of `samples_per_step` samples, all ranks together."""
@@ -45,9 +46,10 @@ class TrainingProgress:
     def finished(self, epochs: int, max_steps: int | None) -> bool:
         return self.epoch >= epochs or (max_steps is not None and self.step >= max_steps)
 
-    def next_epoch(self) -> None:
+    def next_epoch(self, eval_every: int) -> None:
         self.epoch += 1
         self.samples_in_epoch = 0
+        self.evaluation_due = eval_every > 0 and self.epoch % eval_every == 0
 
 
 def check_checkpoint_dir(ckpt_dir: str) -> None:
