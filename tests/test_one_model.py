@@ -4,6 +4,7 @@ and before every save)."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -68,10 +69,10 @@ def nudged_cnn(options, train_set):
 '''
 
 
-def torchrun(project: Path, ckpt_dir: Path, model: str):
+def torchrun(project: Path, ckpt_dir: Path, model: str, **launch: object):
     """2 ranks, 6 steps on 256 fake samples, a checkpoint every 3 steps, no evaluation."""
     return run_job(project, tiny_run(model=model, fake_samples=256, num_workers=0, max_steps=6, ckpt_every=3,
-                                     eval_every=0, ckpt_dir=ckpt_dir))
+                                     eval_every=0, ckpt_dir=ckpt_dir), **launch)
 
 
 def test_a_model_returning_a_dataclass_trains_one_model_on_every_rank(default_project, tmp_path):
@@ -93,10 +94,30 @@ def test_ranks_that_hold_different_models_stop_the_job_with_one_line(default_pro
     result = torchrun(project, tmp_path / "ckpt", "nudged_cnn")
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert errors == [
+    host = socket.gethostname()
+    assert errors == [  # two ranks: no majority to say which one is right, so it is the code's to fix
         "error: the ranks hold different models after step 1: parameter 'inner.5.bias' differs (and 0 more of "
-        "14). DDP did not all-reduce every gradient, or something changed parameters outside the optimizer: a "
+        f"14); 2 different models, held by rank 0 ({host}) | rank 1 ({host}). DDP did not all-reduce every gradient, or something changed parameters outside the optimizer: a "
         "forward whose output DDP cannot look into (a dataclass not registered with torch.utils._pytree), code "
         "that depends on the rank, or an in-place update of a parameter; fix the model or loss in task.py"
     ], result.stderr[-4000:]
+    assert not list((tmp_path / "ckpt").glob("step-*.pt")), "no checkpoint of one rank's model is written"
+
+
+def test_one_rank_whose_model_differs_from_all_the_others_is_a_fault_of_its_machine(default_project, tmp_path):
+    # Rank 1 of 3 against ranks 0 and 2, as a flipped bit on one GPU would make it: no bug to fix, so every
+    # torchrun restart is used and the job exits non-zero with nothing in STOP_REQUEUE_FILE, for a requeue.
+    project = with_task_code(default_project, tmp_path, RANK_DEPENDENT)
+    requeue = tmp_path / "stop-requeue"
+    result = torchrun(project, tmp_path / "ckpt", "nudged_cnn", nproc=3, max_restarts=1,
+                      STOP_REQUEUE_FILE=str(requeue))
+    assert result.returncode != 0
+    host = socket.gethostname()
+    found = (f"rank 1 on {host} holds parameters that differ from those of the other 2 ranks after step 1: "
+             "parameter 'inner.5.bias' differs (and 0 more of 14); 2 different models, held by ranks 0, 2 "
+             f"({host}) | rank 1 ({host}). One rank out of many is a fault of its machine")
+    assert f"ReplicaCorrupted: {found}" in result.stderr, result.stderr[-6000:]
+    assert "restart=0" in result.stderr and "restart=1" in result.stderr, result.stderr[-6000:]  # both attempts
+    assert not requeue.exists() or not requeue.read_text(), requeue.read_text()
+    assert "a bug, not a fault" not in result.stderr
     assert not list((tmp_path / "ckpt").glob("step-*.pt")), "no checkpoint of one rank's model is written"

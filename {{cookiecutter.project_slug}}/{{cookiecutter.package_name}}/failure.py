@@ -43,6 +43,7 @@ from .checkpoint import list_checkpoints, list_sharded_checkpoints
 from .collectives import all_reduce_int
 from .distributed import DistEnv, PortTaken
 from .options import UsageError
+from .parallel import ReplicaCorrupted
 from .watchdog import REPORTING_A_HANG, process_identity
 
 # What gloo and NCCL raise on a rank whose peer died: the group is gone, and torchrun restarts it.
@@ -51,8 +52,9 @@ LOST_PEER = re.compile(r"Connection (reset|closed) by peer|Broken pipe|NCCL comm
 PACKAGE_ROOT = Path(__file__).resolve().parent
 PROJECT_ROOT = PACKAGE_ROOT.parent
 # Faults of the machine, whatever the code: a communication error (DistError: NCCL's "unhandled system error",
-# a store timeout), an accelerator's error (torch >= 2.8: "uncorrectable ECC error"), I/O, host memory.
-MACHINE_FAULTS = (dist.DistError, OSError, MemoryError,
+# a store timeout), an accelerator's error (torch >= 2.8: "uncorrectable ECC error"), I/O, host memory, and one
+# rank's parameters changed against all the others' (silent data corruption).
+MACHINE_FAULTS = (dist.DistError, OSError, MemoryError, ReplicaCorrupted,
                   *((torch.AcceleratorError,) if hasattr(torch, "AcceleratorError") else ()))
 # A DataLoader worker's exception reaches the training process re-raised by torch, with the worker's own
 # traceback in its message.
