@@ -9,6 +9,7 @@ import os
 import random
 import re
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -261,6 +262,27 @@ def test_every_machine_of_a_job_ends_at_once_on_a_known_bug(default_project, tmp
     # Two attempts trained (rank 0 says so; a machine restarted because the other failed counts no restart of
     # its own), and the third ended on both machines before training.
     assert len(re.findall(r"run_id=known-bug restart=\d", output)) == 2, output
+
+
+@pytest.mark.slow
+def test_a_usage_error_that_one_machine_alone_sees_ends_every_machine_at_once(default_project, tmp_path):
+    # Machine 1 was given another flag: before, machine 0's rank waited for it in the process group's start-up
+    # until the timeout (31 minutes), while machine 1's torchrun spent its restarts. Machine 1 is started
+    # late, so that machine 0 already waits for it.
+    endpoint = f"127.0.0.1:{free_port()}"
+    args = tiny_run(num_workers=0, max_steps=4, ckpt_dir=tmp_path / "ckpt")
+    launch = dict(via="run_node.sh", nproc=1, max_restarts=2, NNODES="2", RDZV_ENDPOINT=endpoint, RDZV_ID="one-sees")
+    started = time.monotonic()
+    waiting = start_job(default_project, args, **launch)
+    time.sleep(5)
+    odd = start_job(default_project, [*args, "--batch-size", "0"], **launch)
+    outputs = [node.communicate(timeout=120)[0] for node in (waiting, odd)]
+    assert waiting.returncode != 0 and odd.returncode != 0, outputs
+    assert time.monotonic() - started < 90, outputs
+    line = "error: --batch-size must be >= 1, got 0"
+    assert outputs[1].count(line) == 1, outputs[1]  # once, though its torchrun had restarts left
+    assert outputs[0].count(f"{line} (found on another machine of this job)") == 1, outputs[0]
+    assert "UsageError" not in outputs[0] and 'train.py", line' not in outputs[0], outputs[0]  # no worker traceback
 
 
 @pytest.mark.slow

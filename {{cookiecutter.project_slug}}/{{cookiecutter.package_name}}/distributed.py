@@ -205,36 +205,88 @@ def store_of_this_attempt(env: DistEnv, timeout: timedelta) -> tuple[dist.Store,
     if not env.store_shared_across_restarts:
         try:
             store = dist.TCPStore(master.host, master.port, env.world_size, is_master=env.is_main_process,
-                                  timeout=timeout, multi_tenant=True)
+                                  timeout=timeout, multi_tenant=True, wait_for_workers=False)
         except dist.DistNetworkError as error:
             # The libuv store says "EADDRINUSE ... address already in use", the older one "errno: 98 - Address
             # already in use"; torch's own elastic utilities match the same words.
             if env.is_main_process and "address already in use" in str(error).lower():
                 raise PortTaken(master.port) from error
             raise
-        return store, master
+        return wait_for_every_rank(store, store, env, time.monotonic() + timeout.total_seconds()), master
     shared = master.connect(timeout)
     key = f"ddp-template/{env.run_id}/store-of-this-attempt"
+    deadline = time.monotonic() + timeout.total_seconds()
     if env.is_main_process:
         host = address_others_reach(master.host)
         fresh = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
         token = uuid.uuid4().hex
         fresh.set("token", token)
         shared.set(key, f"{host} {fresh.port} {token}")
-        return fresh, StoreAddress(host, fresh.port)
-    deadline = time.monotonic() + timeout.total_seconds()
+        return wait_for_every_rank(fresh, shared, env, deadline), StoreAddress(host, fresh.port)
+    pause = 0.05
     while time.monotonic() < deadline:
-        host, port, token = shared.get(key).decode().split()  # waits for rank 0's first entry
-        address = StoreAddress(host, int(port))
-        if listening(address.host, address.port):  # a stale entry's store died with its rank 0: refused at once
-            # A short timeout: the stale port may since have been taken by something that is not our store.
-            with contextlib.suppress(RuntimeError):
-                candidate = address.connect(timedelta(seconds=5))
-                if candidate.get("token").decode() == token:
-                    candidate.set_timeout(timeout)
-                    return candidate, address
-        time.sleep(0.05)
+        stop_if_another_machine_found_a_usage_error(shared, env)
+        if shared.check([key]):  # rank 0's entry, maybe a stale one of an earlier attempt
+            host, port, token = shared.get(key).decode().split()
+            address = StoreAddress(host, int(port))
+            if listening(address.host, address.port):  # a stale entry's store died with its rank 0: refused at once
+                # A short timeout: the stale port may since have been taken by something that is not our store.
+                with contextlib.suppress(RuntimeError):
+                    candidate = address.connect(timedelta(seconds=5))
+                    if candidate.get("token").decode() == token:
+                        candidate.set_timeout(timeout)
+                        return wait_for_every_rank(candidate, shared, env, deadline), address
+        time.sleep(pause)
+        pause = min(2 * pause, 1.0)  # at a thousand ranks, rank 0's store answers a thousand polls a second
     raise TimeoutError(f"rank 0 published no store for this attempt within {timeout}")
+
+
+def usage_error_key(env: DistEnv) -> str:
+    return f"ddp-template/{env.run_id}/usage-error"
+
+
+def publish_usage_error(line: str, env: DistEnv, ranks_it_stops: int) -> None:
+    """Tell the job's other machines that this one stopped on a usage error they may not see (a --data-dir
+    missing here, other flags on this machine): they stop too, instead of waiting for it in the process group's
+    start-up until the timeout. `ranks_it_stops`: this rank alone, or all of this machine's. Through torchrun's
+    store where it is shared; else through this attempt's, which is rank 0's to host: a rank 0 that stopped
+    hosts it until every rank has joined it or stopped (a minute at most)."""
+    master = StoreAddress(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    if env.store_shared_across_restarts:
+        master.connect(timedelta(seconds=5)).compare_set(usage_error_key(env), "", line)  # the first one stays
+        return
+    if not env.is_main_process:  # rank 0's store, if its machine is fine: it waits in it for this rank
+        store = master.connect(timedelta(seconds=60))
+    else:
+        store = dist.TCPStore(master.host, master.port, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=5), multi_tenant=True)
+    store.compare_set(usage_error_key(env), "", line)
+    store.add("joined", ranks_it_stops)  # after the line, so a rank that counts all joined reads it then
+    deadline = time.monotonic() + 60
+    while env.is_main_process and store.add("joined", 0) < env.world_size and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def stop_if_another_machine_found_a_usage_error(shared: dist.Store, env: DistEnv) -> None:
+    if shared.check([usage_error_key(env)]):
+        line = shared.get(usage_error_key(env)).decode().removeprefix("error: ")
+        raise UsageError(f"{line} (found on another machine of this job)")
+
+
+def wait_for_every_rank(store: dist.Store, shared: dist.Store, env: DistEnv, deadline: float) -> dist.Store:
+    """Wait in `store` (this attempt's) until every rank has joined, watching torchrun's store for a usage error
+    another machine found: torch's own wait, inside init_process_group, would wait out the whole timeout."""
+    store.add("joined", 1)
+    pause = 0.05
+    while True:
+        joined = store.add("joined", 0)
+        stop_if_another_machine_found_a_usage_error(shared, env)  # after the count: a stopped rank counts itself
+        if joined >= env.world_size:
+            return store
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {joined} of {env.world_size} ranks joined this attempt within the timeout")
+        time.sleep(pause)
+        pause = min(2 * pause, 1.0)
 
 
 # The job's own connections (its store, gloo's full mesh), for DataLoader workers to close (data.py): a forked

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from .checkpoint import list_checkpoints, list_sharded_checkpoints
 from .collectives import all_reduce_int
-from .distributed import DistEnv, PortTaken
+from .distributed import DistEnv, PortTaken, publish_usage_error
 from .options import UsageError
 from .parallel import ReplicaCorrupted
 from .watchdog import REPORTING_A_HANG, process_identity
@@ -201,7 +201,9 @@ def end_job_for_usage_error(error: UsageError, env: DistEnv | None) -> None:
     at start-up without a word, and writes the line to STOP_REQUEUE_FILE, so that train.sbatch does not
     requeue the job either. The machine's other ranks wait for that mark before they exit: torchrun stops the
     whole group when the first rank exits. No rank kills its launcher: under Kubernetes torchrun is PID 1,
-    which ignores the signal.
+    which ignores the signal. The line also goes to torchrun's store, where the ranks of machines that did not
+    see it (other flags there, a folder missing here) wait to start: they stop with it instead of waiting out
+    the process group's timeout.
     """
     uniform = env is not None and error.same_on_every_rank
     line = f"error: {error}"
@@ -212,12 +214,15 @@ def end_job_for_usage_error(error: UsageError, env: DistEnv | None) -> None:
         sys.stderr.flush()
     if env is None or not env.launched_by_torchrun:
         sys.exit(1)
+    if reports:  # before the mark, which lets this machine's other ranks exit and torchrun end this one
+        with contextlib.suppress(RuntimeError):  # no store, or nobody waits in it
+            publish_usage_error(line, env, ranks_it_stops=env.local_world_size if uniform else 1)
     with contextlib.suppress(OSError):  # without a mark, the retries print the line again: no worse than that
         marker = usage_error_marker()
         if reports:
             mark_usage_error(marker)
         else:
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 70  # the reporting rank may host the store for a minute
             while not marker.exists() and time.monotonic() < deadline:
                 time.sleep(0.02)
     if reports and env.stop_requeue_file:
