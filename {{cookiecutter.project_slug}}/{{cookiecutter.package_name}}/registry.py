@@ -21,6 +21,9 @@ DatasetBuilder = Callable[[TrainOptions, DistEnv, torch.device], tuple[Dataset, 
 ModelBuilder = Callable[[TrainOptions, Dataset], nn.Module]
 DATASETS: dict[str, DatasetBuilder] = {}  # --data name -> builder of (train, held-out)
 MODELS: dict[str, ModelBuilder] = {}  # --model name -> builder
+# Builders of more MODELS entries, called only for a --model name not registered: a family whose import is
+# slow (torchvision's, about as long as torch's) costs nothing to a run that does not use it.
+MODEL_FAMILIES: list[Callable[[], dict[str, ModelBuilder]]] = []
 
 
 def register_dataset(name: str) -> Callable[[DatasetBuilder], DatasetBuilder]:
@@ -37,6 +40,19 @@ def register_model(name: str) -> Callable[[ModelBuilder], ModelBuilder]:
         MODELS[name] = builder
         return builder
     return register
+
+
+def register_model_family(family: Callable[[], dict[str, ModelBuilder]]) -> Callable[[], dict[str, ModelBuilder]]:
+    """Register a function that returns more --model names and builders, called when a name is not found."""
+    MODEL_FAMILIES.append(family)
+    return family
+
+
+def find_model(name: str) -> ModelBuilder | None:
+    while name not in MODELS and MODEL_FAMILIES:
+        for family_name, builder in MODEL_FAMILIES.pop(0)().items():
+            MODELS.setdefault(family_name, builder)  # a model registered by name comes first
+    return MODELS.get(name)
 
 
 def samples_in(batch: Any) -> int:
@@ -90,7 +106,7 @@ class Task:
         """Refuse a --data or --model name nothing is registered under, then what task.py refuses."""
         if options.task.data not in DATASETS:
             raise UsageError(self.unknown_name("data", options.task.data, DATASETS, "register_dataset"))
-        if options.task.model not in MODELS:
+        if find_model(options.task.model) is None:
             raise UsageError(self.unknown_name("model", options.task.model, MODELS, "register_model"))
         self.check_options(options)
 
@@ -98,7 +114,7 @@ class Task:
         return DATASETS[options.task.data](options, env, device)
 
     def build_model(self, options: TrainOptions, train_set: Dataset) -> nn.Module:
-        return MODELS[options.task.model](options, train_set)
+        return find_model(options.task.model)(options, train_set)
 
     def unknown_name(self, kind: str, name: str, registry: dict, decorator: str) -> str:
         close = difflib.get_close_matches(name, list(registry), n=3)

@@ -19,15 +19,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import torchvision
 from torch import nn
 from torch.utils.data import Dataset
-from torchvision import datasets, transforms
 
 from .collectives import run_once_per_storage
 from .distributed import DistEnv
 from .options import TrainOptions, UsageError, option
-from .registry import MODELS, register_dataset, register_model
+from .registry import register_dataset, register_model, register_model_family
 
 
 @dataclass
@@ -163,6 +161,7 @@ def fake_images(options: TrainOptions, env: DistEnv, device: torch.device) -> tu
 
 @register_dataset("cifar10")
 def cifar10(options: TrainOptions, env: DistEnv, device: torch.device) -> tuple[Dataset, Dataset]:
+    from torchvision import datasets, transforms  # here: as slow to import as torch, and fake data needs none
     normalize = transforms.Compose([transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
     augment = transforms.Compose([transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(), normalize])
     run_once_per_storage(options.task.data_dir, env, device, lambda: datasets.CIFAR10(options.task.data_dir,
@@ -173,6 +172,7 @@ def cifar10(options: TrainOptions, env: DistEnv, device: torch.device) -> tuple[
 
 @register_dataset("imagefolder")
 def image_folder(options: TrainOptions, env: DistEnv, device: torch.device) -> tuple[Dataset, Dataset]:
+    from torchvision import datasets, transforms
     root, size = Path(options.task.data_dir), options.task.image_size
     for split in ("train", "val"):  # checked before any process group starts (check_options)
         folder = root / split
@@ -202,13 +202,14 @@ def small_cnn(options: TrainOptions, train_set: Dataset, width: int = 32) -> nn.
                          nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(4 * width * 4, options.task.num_classes))
 
 
-def torchvision_model(options: TrainOptions, train_set: Dataset) -> nn.Module:
-    return torchvision.models.get_model(options.task.model, weights=None, num_classes=options.task.num_classes)
+@register_model_family
+def torchvision_models() -> dict:
+    """Every torchvision classifier by name (module=torchvision.models: not detection, segmentation or video)."""
+    import torchvision
 
-
-# Every torchvision classifier by name (module=torchvision.models: not detection, segmentation or video).
-for _name in torchvision.models.list_models(module=torchvision.models):
-    MODELS.setdefault(_name, torchvision_model)
+    def torchvision_model(options: TrainOptions, train_set: Dataset) -> nn.Module:
+        return torchvision.models.get_model(options.task.model, weights=None, num_classes=options.task.num_classes)
+    return dict.fromkeys(torchvision.models.list_models(module=torchvision.models), torchvision_model)
 
 
 def build_optimizer(model: nn.Module, options: TrainOptions) -> torch.optim.Optimizer:
