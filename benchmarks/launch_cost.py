@@ -57,26 +57,37 @@ def summary(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--nproc", type=int, default=2, help="ranks per launch")
-    args = parser.parse_args()
-    project = bake_default_project()
-    sides = {"with": "train.py", "without": without_gc_recipe(project)}
+def compare(sides: dict[str, tuple[Path, str]], rounds: int, nproc: int, heading: str) -> None:
+    """Launch every side (its project folder and script) once a round, sides alternating, and print a table of
+    median (min-max) CPU-seconds and wall seconds per launch, a row per side."""
     figures: dict[str, dict[str, list[float]]] = {side: {"wall": [], "cpu": []} for side in sides}
-    launch(project, "train.py", args.nproc)  # warm-up: file caches, bytecode
-    for round_number in range(1, args.rounds + 1):
-        for side, script in sides.items():
-            wall, cpu = launch(project, script, args.nproc)
+    launch(*next(iter(sides.values())), nproc)  # warm-up: file caches, bytecode
+    for round_number in range(1, rounds + 1):
+        for side, (folder, script) in sides.items():
+            wall, cpu = launch(folder, script, nproc)
             figures[side]["wall"].append(wall)
             figures[side]["cpu"].append(cpu)
-            print(f"round {round_number} {side:7}: {wall:.2f} s wall, {cpu:.2f} CPU-s", flush=True)
-    print(f"\n{args.nproc} ranks, {args.rounds} rounds; median (min-max)")
-    print("| train.py | CPU-seconds per launch | wall seconds per launch |")
+            print(f"round {round_number} {side:10}: {wall:.2f} s wall, {cpu:.2f} CPU-s", flush=True)
+    print(f"\n{nproc} ranks, {rounds} rounds; median (min-max)")
+    print(f"| {heading} | CPU-seconds per launch | wall seconds per launch |")
     print("| --- | --- | --- |")
     for side in sides:
-        print(f"| {side} the gc recipe | {summary(figures[side]['cpu'])} | {summary(figures[side]['wall'])} |")
+        print(f"| {side} | {summary(figures[side]['cpu'])} | {summary(figures[side]['wall'])} |")
+
+
+def launch_arguments(description: str) -> argparse.Namespace:
+    """--rounds and --nproc, for a benchmark that compares launches."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--nproc", type=int, default=2, help="ranks per launch")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = launch_arguments(__doc__)
+    project = bake_default_project()
+    compare({"with the gc recipe": (project, "train.py"),
+             "without the gc recipe": (project, without_gc_recipe(project))}, args.rounds, args.nproc, "train.py")
     shutil.rmtree(project.parent, ignore_errors=True)
 
 

@@ -10,12 +10,11 @@ hits both alike; figures are medians (min-max).
 
 from __future__ import annotations
 
-import argparse
 import shutil
 from pathlib import Path
 
 from common import bake_default_project
-from launch_cost import launch, summary
+from launch_cost import compare, launch_arguments
 
 EAGER = "import torchvision\nimport torchvision.models\nfrom torchvision import datasets, transforms\n"
 
@@ -33,25 +32,10 @@ def with_eager_torchvision(project: Path) -> Path:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--nproc", type=int, default=2, help="ranks per launch")
-    args = parser.parse_args()
+    args = launch_arguments(__doc__)
     project = bake_default_project()
-    sides = {"where used": project, "at the top": with_eager_torchvision(project)}
-    figures: dict[str, dict[str, list[float]]] = {side: {"wall": [], "cpu": []} for side in sides}
-    launch(project, "train.py", args.nproc)  # warm-up: file caches, bytecode
-    for round_number in range(1, args.rounds + 1):
-        for side, folder in sides.items():
-            wall, cpu = launch(folder, "train.py", args.nproc)
-            figures[side]["wall"].append(wall)
-            figures[side]["cpu"].append(cpu)
-            print(f"round {round_number} {side:10}: {wall:.2f} s wall, {cpu:.2f} CPU-s", flush=True)
-    print(f"\n{args.nproc} ranks, {args.rounds} rounds; median (min-max)")
-    print("| torchvision imported | CPU-seconds per launch | wall seconds per launch |")
-    print("| --- | --- | --- |")
-    for side in sides:
-        print(f"| {side} | {summary(figures[side]['cpu'])} | {summary(figures[side]['wall'])} |")
+    compare({"where used": (project, "train.py"), "at the top": (with_eager_torchvision(project), "train.py")},
+            args.rounds, args.nproc, "torchvision imported")
     shutil.rmtree(project.parent, ignore_errors=True)
 
 
