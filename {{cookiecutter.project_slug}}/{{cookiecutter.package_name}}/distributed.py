@@ -94,12 +94,17 @@ class DistEnv:
     @property
     def run_name(self) -> str:
         """The run id as a file name: the same on every node, and another for another job."""
-        return re.sub(r"[^A-Za-z0-9_.-]", "_", self.run_id)
+        return as_file_name(self.run_id)
 
     @property
     def num_nodes(self) -> int:
         # torchrun starts the same number of workers on every node.
         return self.world_size // self.local_world_size
+
+
+def as_file_name(text: str) -> str:
+    """`text` with every character that is not safe in a file name on any system replaced by "_"."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", text)
 
 
 def select_device(requested: str, env: DistEnv) -> torch.device:
@@ -127,6 +132,11 @@ class StoreAddress:
 
     host: str
     port: int
+
+    @classmethod
+    def of_torchrun(cls) -> StoreAddress:
+        """The store torchrun names for this attempt: its own, shared across restarts, or rank 0's to host."""
+        return cls(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
 
     def connect(self, timeout: timedelta) -> dist.TCPStore:
         """A client connection of its own to this store."""
@@ -201,7 +211,7 @@ def store_of_this_attempt(env: DistEnv, timeout: timedelta) -> tuple[dist.Store,
     env:// again, once torchrun gives every attempt's process group keys of its own across nodes that
     restarted different numbers of times.
     """
-    master = StoreAddress(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    master = StoreAddress.of_torchrun()
     if not env.store_shared_across_restarts:
         try:
             store = dist.TCPStore(master.host, master.port, env.world_size, is_master=env.is_main_process,
@@ -241,6 +251,10 @@ def store_of_this_attempt(env: DistEnv, timeout: timedelta) -> tuple[dist.Store,
     raise TimeoutError(f"rank 0 published no store for this attempt within {timeout}")
 
 
+# In this attempt's store: how many ranks have joined it, or stopped on a usage error they published first.
+JOINED = "joined"
+
+
 def usage_error_key(env: DistEnv) -> str:
     return f"ddp-template/{env.run_id}/usage-error"
 
@@ -251,7 +265,7 @@ def publish_usage_error(line: str, env: DistEnv, ranks_it_stops: int) -> None:
     start-up until the timeout. `ranks_it_stops`: this rank alone, or all of this machine's. Through torchrun's
     store where it is shared; else through this attempt's, which is rank 0's to host: a rank 0 that stopped
     hosts it until every rank has joined it or stopped (a minute at most)."""
-    master = StoreAddress(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    master = StoreAddress.of_torchrun()
     if env.store_shared_across_restarts:
         master.connect(timedelta(seconds=5)).compare_set(usage_error_key(env), "", line)  # the first one stays
         return
@@ -261,9 +275,9 @@ def publish_usage_error(line: str, env: DistEnv, ranks_it_stops: int) -> None:
         store = dist.TCPStore(master.host, master.port, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=5), multi_tenant=True)
     store.compare_set(usage_error_key(env), "", line)
-    store.add("joined", ranks_it_stops)  # after the line, so a rank that counts all joined reads it then
+    store.add(JOINED, ranks_it_stops)  # after the line, so a rank that counts all joined reads it then
     deadline = time.monotonic() + 60
-    while env.is_main_process and store.add("joined", 0) < env.world_size and time.monotonic() < deadline:
+    while env.is_main_process and store.add(JOINED, 0) < env.world_size and time.monotonic() < deadline:
         time.sleep(0.2)
 
 
@@ -276,10 +290,10 @@ def stop_if_another_machine_found_a_usage_error(shared: dist.Store, env: DistEnv
 def wait_for_every_rank(store: dist.Store, shared: dist.Store, env: DistEnv, deadline: float) -> dist.Store:
     """Wait in `store` (this attempt's) until every rank has joined, watching torchrun's store for a usage error
     another machine found: torch's own wait, inside init_process_group, would wait out the whole timeout."""
-    store.add("joined", 1)
+    store.add(JOINED, 1)
     pause = 0.05
     while True:
-        joined = store.add("joined", 0)
+        joined = store.add(JOINED, 0)
         stop_if_another_machine_found_a_usage_error(shared, env)  # after the count: a stopped rank counts itself
         if joined >= env.world_size:
             return store

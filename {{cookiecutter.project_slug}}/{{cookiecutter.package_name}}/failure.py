@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from .checkpoint import list_checkpoints, list_sharded_checkpoints
 from .collectives import all_reduce_int
-from .distributed import DistEnv, PortTaken, publish_usage_error
+from .distributed import DistEnv, PortTaken, as_file_name, publish_usage_error
 from .options import UsageError
 from .parallel import ReplicaCorrupted
 from .watchdog import REPORTING_A_HANG, process_identity
@@ -146,7 +146,7 @@ class CrashRecord:
         name = env.run_name
         self.path = folder / f"{name}.json"
         self.launcher = process_identity(os.getppid())  # torchrun's agent: unique while the machine is up
-        launcher = re.sub(r"[^A-Za-z0-9_.-]", "_", self.launcher)
+        launcher = as_file_name(self.launcher)
         self.claim = folder / f"{name}.{launcher}.attempt-{env.restart_count}.reported"
 
     def read(self) -> tuple[Crash | None, bool, str]:
