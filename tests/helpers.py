@@ -190,20 +190,22 @@ def run_in_terminal(command: list[str], cwd: Path, timeout: float = 120, **env: 
 
 def assert_project_tests_pass(project: Path) -> None:
     """The baked project's own tests, run as its README says: all 3 pass (they train with task.py's
-    SMOKE_TEST_ARGS, so this also checks the task's tiny run is learnable)."""
+    TASK.smoke_test_args, so this also checks the task's tiny run is learnable)."""
     result = run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=project, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert re.search(r"\b3 passed\b", result.stdout), result.stdout
 
 
 def smoke_test_args(project: Path) -> list[str]:
-    """The baked project's task.py SMOKE_TEST_ARGS, the tiny run its own tests train, read without importing
+    """The baked project's task.py TASK.smoke_test_args, the tiny run its own tests train, read without importing
     torch: a test that launches that run itself checks what those tests check for the price of its own launch."""
     [task] = project.glob("*/task.py")
     for node in ast.parse(task.read_text()).body:
-        if isinstance(node, ast.Assign) and [target.id for target in node.targets] == ["SMOKE_TEST_ARGS"]:
-            return ast.literal_eval(node.value)
-    raise AssertionError(f"{task} has no SMOKE_TEST_ARGS")
+        if isinstance(node, ast.Assign) and [target.id for target in node.targets] == ["TASK"]:
+            for keyword in node.value.keywords:
+                if keyword.arg == "smoke_test_args":
+                    return ast.literal_eval(keyword.value)
+    raise AssertionError(f"{task} has no TASK = Task(..., smoke_test_args=[...])")
 
 
 def readme_block(project: Path, language: str, section: str = "## Make it yours") -> str:

@@ -564,6 +564,11 @@ def collate(samples):
     if (folder / "stuck").exists():
         time.sleep(3600)
     return default_collate(samples)
+
+
+import dataclasses
+
+TASK = dataclasses.replace(TASK, collate=collate)
 '''
 
 
@@ -610,6 +615,11 @@ def compute_loss(model, batch):
     if Path(os.environ["HOLD_GIL"]).exists():
         ctypes.PyDLL(None).sleep(3600)
     return _plain_loss(model, batch)
+
+
+import dataclasses
+
+TASK = dataclasses.replace(TASK, compute_loss=compute_loss)
 '''
 
 

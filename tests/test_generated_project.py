@@ -26,7 +26,7 @@ TINY = flags(data="fake", image_size=16, batch_size=16, num_workers=0, device="c
 BAD_OPTIONS = [
     (["--batch-size", "0"], "error: --batch-size must be >= 1, got 0"),
     (["--lr", "-1"], "error: --lr must be > 0"),
-    (["--model", "resnet19"], "error: --model 'resnet19' is not registered; did you mean"),
+    (["--model", "resnet19"], "error: --model 'resnet19' is not in the task's models; did you mean"),
     (["--device", "cuda"], "error: --device cuda but no CUDA device is visible"),
     (["--data", "imagefolder", "--data-dir", "{tmp}/missing"], "error: --data-dir {tmp}/missing: expected class"),
     (["--data", "imagefolder", "--data-dir", "{tmp}"], "error: --data-dir {tmp}: expected class folders"),

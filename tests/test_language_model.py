@@ -129,4 +129,4 @@ def test_fsdp2_token_files_resume_on_another_world_size_and_export(bake, text_di
 def test_language_model_project_is_lint_clean_and_its_smoke_tests_pass(lm_project):
     lint = run(["ruff", "check", "."], cwd=lm_project)
     assert lint.returncode == 0, lint.stdout
-    assert_project_tests_pass(lm_project)  # with the language model's SMOKE_TEST_ARGS
+    assert_project_tests_pass(lm_project)  # with the language model's smoke_test_args

@@ -69,8 +69,8 @@ def test_an_unknown_name_says_which_file_and_function_to_edit(default_project, t
     result = run(["python", "train.py", "--data", "csv", "--ckpt-dir", str(tmp_path)], cwd=default_project)
     assert result.returncode == 1
     assert result.stderr.splitlines() == [
-        "error: --data 'csv' is not registered; known: cifar10, fake, imagefolder. To add it, register a "
-        "builder with @register_dataset('csv') in ddp_training/task.py"], result.stderr
+        "error: --data 'csv' is not in the task's datasets; known: cifar10, fake, imagefolder. To add it, write a "
+        "builder and add 'csv': <builder> to TASK's datasets in ddp_training/task.py"], result.stderr
 
 
 @pytest.mark.slow
@@ -124,6 +124,11 @@ def summarize(sums, outputs):
     confusion = sums["confusion"]
     return {**_plain_summary(sums, outputs), "confusion_total": float(confusion.sum()),
             "confusion_accuracy": float(confusion.trace() / confusion.sum())}
+
+
+import dataclasses
+
+TASK = dataclasses.replace(TASK, evaluation_sums=evaluation_sums, summarize=summarize)
 '''
 
 
@@ -140,7 +145,7 @@ def test_evaluation_sums_any_shape_and_a_collective_in_it_does_not_hang(default_
 
 
 def trains_learns_and_resumes_bitwise_after_kill_9(project: Path, tmp_path: Path, *args: str) -> list[dict]:
-    """The project's own tiny run (task.py's SMOKE_TEST_ARGS, plus `args`) on 2 ranks to the end, and again with
+    """The project's own tiny run (task.py's TASK.smoke_test_args, plus `args`) on 2 ranks to the end, and again with
     a worker killed (kill -9) after the first checkpoint: torchrun restarts the group, and the last checkpoints
     agree bit for bit. What the project's own smoke tests check, here without their two launches more: the
     tiny run trains, its loss falls, and a restart continues it. Returns the uninterrupted run's metric rows."""
@@ -192,6 +197,11 @@ _example_summary = summarize
 def summarize(sums, outputs):
     assert len(outputs["score"]) == sums["samples"], (len(outputs["score"]), sums["samples"])
     return _example_summary(sums, outputs)
+
+
+import dataclasses
+
+TASK = dataclasses.replace(TASK, summarize=summarize)
 '''
 
 
@@ -223,6 +233,11 @@ def collate(samples):
     if int(labels.sum()) % 7 == 3:
         raise ValueError(f"bad batch: label sum {int(labels.sum())}")
     return images, labels
+
+
+import dataclasses
+
+TASK = dataclasses.replace(TASK, collate=collate)
 '''
 
 

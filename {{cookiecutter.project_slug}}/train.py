@@ -25,10 +25,10 @@ import sys
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from {{ cookiecutter.package_name }} import task as task_module
 from {{ cookiecutter.package_name }}.checkpoint import build_checkpointer, check_checkpoint_dir
 from {{ cookiecutter.package_name }}.data import build_loaders, to_device
 from {{ cookiecutter.package_name }}.distributed import DistEnv, StoreAddress, distributed_session, select_device
+from {{ cookiecutter.package_name }}.errors import UsageError
 from {{ cookiecutter.package_name }}.failure import (
     CrashRecord,
     end_attempt_after,
@@ -43,15 +43,16 @@ from {{ cookiecutter.package_name }}.optim import (
     planned_steps,
     resolve_precision,
 )
-from {{ cookiecutter.package_name }}.options import TrainOptions, UsageError, parse_options
+from {{ cookiecutter.package_name }}.options import TrainOptions, parse_options
 from {{ cookiecutter.package_name }}.parallel import (
     check_replicas_match,
     gradient_sync,
     uses_channels_last,
     wrap_model,
 )
-from {{ cookiecutter.package_name }}.registry import Task
 from {{ cookiecutter.package_name }}.reproducibility import seed_and_choose_kernels
+from {{ cookiecutter.package_name }}.spec import Task
+from {{ cookiecutter.package_name }}.task import TASK
 from {{ cookiecutter.package_name }}.watchdog import EXIT_CODE_AFTER_SIGTERM, StopAgreement, Watchdog
 
 
@@ -151,8 +152,8 @@ def main(argv: list[str] | None = None) -> None:
         if usage_error_reported_under_this_torchrun(env):  # the same command again: the same error, already shown
             sys.exit(1)
         setup_logging(env)
-        task = Task.from_module(task_module)  # what task.py defines, and defaults for what it leaves out
-        options = parse_options(argv, task.options_class, task.training_defaults)
+        task = TASK  # everything task.py gives the package: its datasets, models, loss, evaluation
+        options = parse_options(argv, task.options, task.training_defaults)
         device = select_device(options.device, env)
         # Bad input fails here, on every rank, before any process group or download starts.
         task.check(options)

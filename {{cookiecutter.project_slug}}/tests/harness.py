@@ -8,11 +8,11 @@ from pathlib import Path
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT_ROOT))  # the package, also when it is not installed
 
-from {{ cookiecutter.package_name }}.task import SMOKE_TEST_ARGS  # noqa: E402 - after the path above
+from {{ cookiecutter.package_name }}.task import TASK  # noqa: E402 - after the path above
 
 # From task.py, so these tests keep passing after you change the task there: small enough that a run takes
 # seconds on 2 CPU cores, learnable enough that loss clearly falls.
-TINY_RUN = SMOKE_TEST_ARGS
+TINY_RUN = TASK.smoke_test_args
 
 
 def launch(args: list[str], nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:

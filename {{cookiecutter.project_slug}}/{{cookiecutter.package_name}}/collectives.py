@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .distributed import DistEnv
-from .options import UsageError
+from .errors import UsageError
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:

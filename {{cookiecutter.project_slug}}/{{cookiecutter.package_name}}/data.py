@@ -20,7 +20,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 from .distributed import DistEnv, close_job_sockets
-from .options import TrainOptions, UsageError
+from .errors import UsageError
+from .options import TrainOptions
 
 
 class SeededSampleDataset(Dataset):

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .options import UsageError
+from .errors import UsageError
 
 # What torchrun sets for every worker. Either all of these are present or none (plain `python train.py`).
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from .checkpoint import list_checkpoints, list_sharded_checkpoints
 from .collectives import all_reduce_int
 from .distributed import DistEnv, PortTaken, as_file_name, publish_usage_error
-from .options import UsageError
+from .errors import UsageError
 from .parallel import ReplicaCorrupted
 from .watchdog import REPORTING_A_HANG, process_identity
 

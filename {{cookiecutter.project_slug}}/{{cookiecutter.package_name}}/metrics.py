@@ -19,10 +19,11 @@ import torch
 from .collectives import all_gather_objects, all_reduce_int, all_reduce_sum, from_first_rank_with, world_size
 from .data import to_device
 from .distributed import DistEnv, backend_for
+from .errors import UsageError
 from .optim import MixedPrecision
-from .options import TrainOptions, UsageError
+from .options import TrainOptions
 from .parallel import sync_buffers_from_main
-from .registry import Task
+from .spec import Task
 from .trackers import TRACKERS, Tracker
 
 if TYPE_CHECKING:  # checkpoint/ stands on this module's neighbours, not on it
@@ -248,7 +249,7 @@ class TrainingMeter:
     def __init__(self, device: torch.device, log_every: int, metrics_log: MetricsLog | None,
                  progress_bar: ProgressBar, unit: str = "samples", flops_per_unit: float | None = None,
                  peak_flops: float | None = None):
-        self.unit = unit  # what throughput counts: samples, tokens (task.THROUGHPUT_UNIT)
+        self.unit = unit  # what throughput counts: samples, tokens (Task.throughput_unit)
         self.flops_per_unit = flops_per_unit
         self.peak_flops = peak_flops  # of all ranks together
         self.device = device

@@ -1,7 +1,6 @@
 """Around the optimizer step: several optimizers stepped as one, mixed precision (autocast, and the gradient
 scaler fp16 needs), the learning-rate schedule (over samples seen: linear warmup, then cosine decay or
-constant) and an exponential moving average of the weights. The optimizers themselves are built in task.py;
-the step is written out in train.py."""
+constant). The optimizers themselves are built in task.py; the step is written out in train.py."""
 
 from __future__ import annotations
 
@@ -10,7 +9,8 @@ import math
 
 import torch
 
-from .options import TrainOptions, UsageError
+from .errors import UsageError
+from .options import TrainOptions
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -179,41 +179,3 @@ class LearningRateSchedule:
     def load_state_dict(self, state: dict) -> None:
         if state.get("warmup_steps", "not saved") == self.warmup_steps:
             self.warmup_samples = state["warmup_samples"]
-
-
-class ExponentialMovingAverage:
-    """An exponential moving average of a model's parameters, e.g. to evaluate with. Under DDP the averages are
-    plain tensors; under FSDP2 they are DTensors sharded like the parameters, so each rank averages its own
-    shard without communicating (torch.optim.swa_utils.AveragedModel deep-copies the module, which FSDP2
-    refuses). Pass it to build_checkpointer() and a resume continues it exactly."""
-
-    def __init__(self, model: torch.nn.Module, decay: float):
-        self.decay = decay
-        self.averages = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
-
-    @torch.no_grad()
-    def update(self, model: torch.nn.Module) -> None:
-        """After each optimizer step: average += (1 - decay) * (parameter - average)."""
-        for name, parameter in model.named_parameters():
-            self.averages[name].lerp_(parameter.detach(), 1 - self.decay)
-
-    @contextlib.contextmanager
-    @torch.no_grad()
-    def swapped_into(self, model: torch.nn.Module):
-        """The averages in the model's parameters inside the block (evaluate them), the trained values after."""
-        trained = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
-        for name, parameter in model.named_parameters():
-            parameter.copy_(self.averages[name])
-        try:
-            yield model
-        finally:
-            for name, parameter in model.named_parameters():
-                parameter.copy_(trained[name])
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return dict(self.averages)
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            for name, average in self.averages.items():
-                average.copy_(state[name])

@@ -12,16 +12,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
 
-
-class UsageError(Exception):
-    """Bad input (a flag, a path, the launch environment): reported as one line, never a traceback.
-
-    Most are found identically on every rank (the same flags and checks), and one rank reports them for the
-    whole job; same_on_every_rank=False marks one that only some ranks see, which each of them reports."""
-
-    def __init__(self, message: str, same_on_every_rank: bool = True):
-        super().__init__(message)
-        self.same_on_every_rank = same_on_every_rank
+from .errors import UsageError
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -149,7 +140,7 @@ class DefaultsOnceFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser(task_options: type, training_defaults: dict[str, Any]) -> argparse.ArgumentParser:
     """One command line for the task's options (first in --help) and the training options; training_defaults
-    (task.py's TRAINING_DEFAULTS) replace the defaults of training options that suit the task differently."""
+    (Task.training_defaults) replace the defaults of training options that suit the task differently."""
     parser = ArgumentParser(
         description="Train a model (task.py); launch with torchrun or run_node.sh (see train.py).",
         formatter_class=DefaultsOnceFormatter,
@@ -160,7 +151,7 @@ def build_parser(task_options: type, training_defaults: dict[str, Any]) -> argpa
     if clashes or unknown:
         raise UsageError(f"task.py: {', '.join(sorted(clashes))} in TaskOptions would hide the training option of "
                          "that name; rename it" if clashes else
-                         f"task.py: TRAINING_DEFAULTS names {', '.join(sorted(unknown))}, which are no training "
+                         f"task.py: TASK's training_defaults names {', '.join(sorted(unknown))}, which are no training "
                          "options (see options.py)")
     for title, specs, hints in (("what is trained (task.py)", dataclasses.fields(task_options),
                                  typing.get_type_hints(task_options)),

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .collectives import all_gather_objects, all_reduce
-from .options import UsageError
+from .errors import UsageError
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import torch
 
 from .collectives import all_gather_objects, all_reduce
 from .distributed import DistEnv, distributed_session, select_device
-from .options import UsageError
+from .errors import UsageError
 from .parallel import wrap_model
 
 SLOW_RANK_FACTOR = 2.0  # a rank whose all-reduce takes this many times the median is flagged

@@ -2,10 +2,10 @@
 """What is trained: the task's options, datasets, model, optimizer, loss and evaluation metrics.
 
 This is the one file to edit to train something else; train.py, checkpoints, FSDP2, resuming and logging
-work unchanged (registry.py lists what the package calls, with defaults for what you leave out). Register a
-dataset with @register_dataset("name") and a model with @register_model("name"): the name is then accepted by
---data / --model. A batch is whatever `collate` makes of a list of samples (by default torch's default_collate:
-here a tuple (images, labels)); train.py calls
+work unchanged. TASK, at the end, is everything the package calls (spec.py's Task lists every hook, with the
+defaults of those you leave out): a dataset builder named in its `datasets` is accepted by --data, a model
+builder in `models` by --model. A batch is whatever `collate` makes of a list of samples (by default torch's
+default_collate: here a tuple (images, labels)); train.py calls
 
     loss = compute_loss(model, batch)
 
@@ -22,10 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from .collectives import run_once_per_storage
-from .distributed import DistEnv
-from .options import TrainOptions, UsageError, option
-from .registry import register_dataset, register_model, register_model_family
+from .errors import UsageError
+from .options import TrainOptions, option
+from .spec import Task
 
 
 @dataclass
@@ -35,31 +34,24 @@ class TaskOptions:
     The code below reads them as options.task.<name>."""
 
     data: str = option(
-        "fake", "a dataset registered in task.py: fake (generated, learnable), cifar10 (downloaded to "
+        "fake", "a dataset in task.py's TASK: fake (generated, learnable), cifar10 (downloaded to "
         "--data-dir), imagefolder (--data-dir/train/<class>/*.jpg and --data-dir/val/<class>/*.jpg)")
     data_dir: str = option("data", "where cifar10 is downloaded, or the imagefolder root")
     fake_samples: int = option(2048, "size of the fake training set (the held-out set is a quarter of it)")
-    model: str = option("resnet18", "a model registered in task.py: any torchvision classification model name "
+    model: str = option("resnet18", "a model in task.py's TASK: any torchvision classification model name "
                         "(e.g. resnet50), or small_cnn (a quick CPU model whose gradients do not depend on the "
                         "batch)", fixed=True)
     image_size: int = option(32, "images are resized (imagefolder) or generated (fake) at this side length")
     num_classes: int = option(10, "outputs of the model's head (cifar10 has 10 classes)", fixed=True)
 
-
-# Throughput is logged as <unit>/s, and the held-out count as "on N held-out <unit>".
-THROUGHPUT_UNIT = "samples"
-# The tests in tests/ train with these (plus --ckpt-dir, --max-steps ...): keep them tiny and learnable, so the
-# smoke tests still pass after you change this file.
-SMOKE_TEST_ARGS = ["--data", "fake", "--fake-samples", "512", "--image-size", "16", "--batch-size", "16",
-                   "--model", "small_cnn", "--num-workers", "0", "--device", "cpu", "--lr", "0.005"]
 {%- else -%}
 """What is trained: the task's options, datasets, model, optimizer, loss and evaluation metrics.
 
 This is the one file to edit to train something else; train.py, checkpoints, FSDP2, resuming and logging
-work unchanged (registry.py lists what the package calls, with defaults for what you leave out). Register a
-dataset with @register_dataset("name") and a model with @register_model("name"): the name is then accepted by
---data / --model. A batch is whatever `collate` makes of a list of samples (by default torch's default_collate:
-here a tuple (tokens, next tokens)); train.py calls
+work unchanged. TASK, at the end, is everything the package calls (spec.py's Task lists every hook, with the
+defaults of those you leave out): a dataset builder named in its `datasets` is accepted by --data, a model
+builder in `models` by --model. A batch is whatever `collate` makes of a list of samples (by default torch's
+default_collate: here a tuple (tokens, next tokens)); train.py calls
 
     loss = compute_loss(model, batch)
 
@@ -82,9 +74,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from .distributed import DistEnv
-from .options import TrainOptions, UsageError, option
-from .registry import register_dataset, register_model
+from .errors import UsageError
+from .options import TrainOptions, option
+from .spec import Task
 
 
 @dataclass
@@ -94,12 +86,12 @@ class TaskOptions:
     The code below reads them as options.task.<name>."""
 
     data: str = option(
-        "fake", "a dataset registered in task.py: fake (generated sentences, learnable), text (bytes of "
+        "fake", "a dataset in task.py's TASK: fake (generated sentences, learnable), text (bytes of "
         "--data-dir/train.txt and val.txt, or of input.txt split 90/10), tokens (nanoGPT's uint16 "
         "--data-dir/train.bin and val.bin)")
     data_dir: str = option("data", "the folder with the text corpus or the token files")
     fake_samples: int = option(2048, "sequences in the fake training set (the held-out set is a quarter of it)")
-    model: str = option("gpt", "a model registered in task.py: gpt (a decoder-only transformer)", fixed=True)
+    model: str = option("gpt", "a model in task.py's TASK: gpt (a decoder-only transformer)", fixed=True)
     block_size: int = option(128, "context length in tokens; a training sample is one block", fixed=True)
     vocab_size: int | None = option(None, "tokens in the vocabulary (default: 256 for fake and text, which are "
                                     "bytes; 50304 for tokens, GPT-2's 50257 padded)", fixed=True)
@@ -108,16 +100,6 @@ class TaskOptions:
     n_embd: int = option(128, "width of the residual stream", fixed=True)
     dropout: float = option(0.0, "dropout probability in attention and MLP outputs")
 
-
-# Training options whose defaults suit this task better than options.py's.
-TRAINING_DEFAULTS = {"batch_size": 16, "lr": 1e-3}
-# Throughput is logged as <unit>/s, and the held-out count as "on N held-out <unit>".
-THROUGHPUT_UNIT = "tokens"
-# The tests in tests/ train with these (plus --ckpt-dir, --max-steps ...): keep them tiny and learnable, so the
-# smoke tests still pass after you change this file.
-SMOKE_TEST_ARGS = ["--data", "fake", "--fake-samples", "256", "--block-size", "32", "--n-layer", "2",
-                   "--n-head", "2", "--n-embd", "64", "--batch-size", "8", "--num-workers", "0", "--device", "cpu",
-                   "--lr", "3e-3"]
 {%- endif %}
 
 {% if cookiecutter.task == "image_classification" -%}
@@ -152,33 +134,38 @@ class LearnableFakeData(Dataset):
         return 0.5 * noise + 0.5 * self.class_patterns[label], label
 
 
-@register_dataset("fake")
-def fake_images(options: TrainOptions, env: DistEnv, device: torch.device) -> tuple[Dataset, Dataset]:
+def fake_images(options: TrainOptions) -> tuple[Dataset, Dataset]:
     shape = dict(image_size=options.task.image_size, num_classes=options.task.num_classes, seed=options.seed)
     return (LearnableFakeData(options.task.fake_samples, **shape),
             LearnableFakeData(max(options.task.fake_samples // 4, 1), **shape, first_index=options.task.fake_samples))
 
 
-@register_dataset("cifar10")
-def cifar10(options: TrainOptions, env: DistEnv, device: torch.device) -> tuple[Dataset, Dataset]:
+def download_cifar10(options: TrainOptions) -> None:
+    """Run before cifar10() on one rank per storage (TASK's prepare_data), while the others wait."""
+    from torchvision import datasets
+    datasets.CIFAR10(options.task.data_dir, download=True)
+
+
+def cifar10(options: TrainOptions) -> tuple[Dataset, Dataset]:
     from torchvision import datasets, transforms  # here: as slow to import as torch, and fake data needs none
     normalize = transforms.Compose([transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
     augment = transforms.Compose([transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(), normalize])
-    run_once_per_storage(options.task.data_dir, env, device, lambda: datasets.CIFAR10(options.task.data_dir,
-                         download=True), what=f"downloading CIFAR-10 into {options.task.data_dir}")
     return (datasets.CIFAR10(options.task.data_dir, train=True, transform=augment),
             datasets.CIFAR10(options.task.data_dir, train=False, transform=normalize))
 
 
-@register_dataset("imagefolder")
-def image_folder(options: TrainOptions, env: DistEnv, device: torch.device) -> tuple[Dataset, Dataset]:
-    from torchvision import datasets, transforms
-    root, size = Path(options.task.data_dir), options.task.image_size
-    for split in ("train", "val"):  # checked before any process group starts (check_options)
+def check_image_folders(root: Path) -> None:
+    for split in ("train", "val"):
         folder = root / split
         if not folder.is_dir() or not any(child.is_dir() for child in folder.iterdir()):
             raise UsageError(f"--data-dir {root}: expected class folders in {folder} "
                              f"({folder}/<class>/<image>.jpg) for --data imagefolder")
+
+
+def image_folder(options: TrainOptions) -> tuple[Dataset, Dataset]:
+    from torchvision import datasets, transforms
+    root, size = Path(options.task.data_dir), options.task.image_size
+    check_image_folders(root)  # also before any process group starts (check_options)
     augment = transforms.Compose([transforms.RandomResizedCrop(size), transforms.RandomHorizontalFlip(),
                                   transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
     evaluate = transforms.Compose([transforms.Resize(size), transforms.CenterCrop(size),
@@ -189,7 +176,6 @@ def image_folder(options: TrainOptions, env: DistEnv, device: torch.device) -> t
 
 # ---- model -------------------------------------------------------------------------------------------------
 
-@register_model("small_cnn")
 def small_cnn(options: TrainOptions, train_set: Dataset, width: int = 32) -> nn.Module:
     """Three conv blocks and a linear head, quick on a CPU. GroupNorm, not BatchNorm, and no dropout: a
     sample's gradient does not depend on the rest of its batch, so a larger batch and the same samples in
@@ -202,7 +188,6 @@ def small_cnn(options: TrainOptions, train_set: Dataset, width: int = 32) -> nn.
                          nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(4 * width * 4, options.task.num_classes))
 
 
-@register_model_family
 def torchvision_models() -> dict:
     """Every torchvision classifier by name (module=torchvision.models: not detection, segmentation or video)."""
     import torchvision
@@ -234,7 +219,7 @@ def compute_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> 
 def evaluation_sums(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Sums over one held-out batch, each a number or a tensor of any shape (per-class counts, a confusion
     matrix); they are added up exactly over batches and ranks, then passed to summarize (one-element sums as
-    floats, others as tensors). The THROUGHPUT_UNIT key counts what was evaluated."""
+    floats, others as tensors). The throughput_unit key ("samples") counts what was evaluated."""
     outputs, loss = outputs_and_loss(model, batch)
     targets = batch[1]
     return {"loss": loss * targets.numel(),
@@ -252,14 +237,35 @@ def summarize(sums: dict, outputs: dict[str, torch.Tensor]) -> dict[str, float]:
 # ---- checks, before any process group starts ---------------------------------------------------------------
 
 def check_options(options: TrainOptions) -> None:
-    """Refuse values this task cannot use (registry.py has already checked the --data and --model names)."""
+    """Refuse values this task cannot use (spec.py has already checked the --data and --model names)."""
     if options.task.num_classes < 2:
         raise UsageError(f"--num-classes must be >= 2 for classification, got {options.task.num_classes}")
     for name in ("fake_samples", "image_size"):
         if getattr(options.task, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(options.task, name)}")
     if options.task.data == "imagefolder":
-        image_folder(options, DistEnv(), torch.device("cpu"))  # only checks the folders: cheap
+        check_image_folders(Path(options.task.data_dir))
+
+
+# ---- what the package calls --------------------------------------------------------------------------------
+
+TASK = Task(
+    options=TaskOptions,
+    datasets={"fake": fake_images, "cifar10": cifar10, "imagefolder": image_folder},
+    models={"small_cnn": small_cnn},
+    more_models=torchvision_models,  # any other --model name: torchvision's, imported only then
+    build_optimizer=build_optimizer,
+    compute_loss=compute_loss,
+    evaluation_sums=evaluation_sums,
+    summarize=summarize,
+    check_options=check_options,
+    prepare_data={"cifar10": download_cifar10},  # downloads, before the dataset is built
+    throughput_unit="samples",
+    # tests/ train with these (plus --ckpt-dir, --max-steps ...): keep them tiny and learnable, so the smoke
+    # tests still pass after you change this file.
+    smoke_test_args=["--data", "fake", "--fake-samples", "512", "--image-size", "16", "--batch-size", "16",
+                     "--model", "small_cnn", "--num-workers", "0", "--device", "cpu", "--lr", "0.005"],
+)
 {%- else -%}
 # ---- data --------------------------------------------------------------------------------------------------
 
@@ -304,8 +310,7 @@ def byte_tokens(text: bytes) -> np.ndarray:
     return np.frombuffer(text, dtype=np.uint8)
 
 
-@register_dataset("fake")
-def fake_text(options: TrainOptions, env: DistEnv, device: torch.device) -> tuple[Dataset, Dataset]:
+def fake_text(options: TrainOptions) -> tuple[Dataset, Dataset]:
     """--fake-samples blocks of generated sentences to train on, a quarter of that (other sentences) held out."""
     def blocks(count: int, seed: int) -> TokenBlocks:
         length = count * options.task.block_size + 1
@@ -324,8 +329,7 @@ def text_files(data_dir: str) -> tuple[Path, Path | None]:
                      "for --data text")
 
 
-@register_dataset("text")
-def text(options: TrainOptions, env: DistEnv, device: torch.device) -> tuple[Dataset, Dataset]:
+def text(options: TrainOptions) -> tuple[Dataset, Dataset]:
     train_file, val_file = text_files(options.task.data_dir)
     if val_file is not None:
         train, held_out = byte_tokens(train_file.read_bytes()), byte_tokens(val_file.read_bytes())
@@ -335,13 +339,16 @@ def text(options: TrainOptions, env: DistEnv, device: torch.device) -> tuple[Dat
     return TokenBlocks(train, options.task.block_size), TokenBlocks(held_out, options.task.block_size)
 
 
-@register_dataset("tokens")
-def token_files(options: TrainOptions, env: DistEnv, device: torch.device) -> tuple[Dataset, Dataset]:
-    root = Path(options.task.data_dir)
+def check_token_files(root: Path) -> None:
     for name in ("train.bin", "val.bin"):
         if not (root / name).is_file():
             raise UsageError(f"--data-dir {root}: expected {root / name} (uint16 token ids, nanoGPT's format) "
                              "for --data tokens")
+
+
+def token_files(options: TrainOptions) -> tuple[Dataset, Dataset]:
+    root = Path(options.task.data_dir)
+    check_token_files(root)
     block_size = options.task.block_size
     return TokenBlocks(root / "train.bin", block_size), TokenBlocks(root / "val.bin", block_size)
 
@@ -416,7 +423,6 @@ class GPT(nn.Module):
         return self.head(self.norm(self.blocks(x)))  # logits: (batch, time, vocab)
 
 
-@register_model("gpt")
 def gpt(options: TrainOptions, train_set: Dataset) -> nn.Module:
     task = options.task
     return GPT(vocab_size(options), task.block_size, task.n_layer, task.n_head, task.n_embd, task.dropout)
@@ -448,7 +454,7 @@ def compute_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> 
 
 def evaluation_sums(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Sums over one held-out batch, each a number or a tensor of any shape; they are added up exactly over
-    batches and ranks, then passed to summarize. The THROUGHPUT_UNIT key counts what was evaluated."""
+    batches and ranks, then passed to summarize. The throughput_unit key ("tokens") counts what was evaluated."""
     _, loss = logits_and_loss(model, batch)
     count = batch[1].numel()
     return {"loss": loss * count, "tokens": torch.tensor(count)}
@@ -462,7 +468,7 @@ def summarize(sums: dict, outputs: dict[str, torch.Tensor]) -> dict[str, float]:
 
 
 def units_in_batch(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | int:
-    """THROUGHPUT_UNITs in a batch: its target tokens (with padding, count only the real ones: a mask's sum)."""
+    """Throughput units in a batch: its target tokens (with padding, count only the real ones: a mask's sum)."""
     return batch[1].numel()
 
 
@@ -477,7 +483,7 @@ def model_flops_per_unit(model: nn.Module, options: TrainOptions) -> float | Non
 # ---- checks, before any process group starts ---------------------------------------------------------------
 
 def check_options(options: TrainOptions) -> None:
-    """Refuse values this task cannot use (registry.py has already checked the --data and --model names)."""
+    """Refuse values this task cannot use (spec.py has already checked the --data and --model names)."""
     task = options.task
     for name in ("fake_samples", "block_size", "n_layer", "n_head", "n_embd"):
         if getattr(task, name) < 1:
@@ -491,5 +497,28 @@ def check_options(options: TrainOptions) -> None:
     if task.data == "text":
         text_files(task.data_dir)
     if task.data == "tokens":
-        token_files(options, DistEnv(), torch.device("cpu"))  # only checks the files: cheap
+        check_token_files(Path(task.data_dir))
+
+
+# ---- what the package calls --------------------------------------------------------------------------------
+
+TASK = Task(
+    options=TaskOptions,
+    datasets={"fake": fake_text, "text": text, "tokens": token_files},
+    models={"gpt": gpt},
+    build_optimizer=build_optimizer,
+    compute_loss=compute_loss,
+    evaluation_sums=evaluation_sums,
+    summarize=summarize,
+    units_in_batch=units_in_batch,
+    model_flops_per_unit=model_flops_per_unit,
+    check_options=check_options,
+    throughput_unit="tokens",
+    training_defaults={"batch_size": 16, "lr": 1e-3},  # training options whose defaults suit this task better
+    # tests/ train with these (plus --ckpt-dir, --max-steps ...): keep them tiny and learnable, so the smoke
+    # tests still pass after you change this file.
+    smoke_test_args=["--data", "fake", "--fake-samples", "256", "--block-size", "32", "--n-layer", "2",
+                     "--n-head", "2", "--n-embd", "64", "--batch-size", "8", "--num-workers", "0", "--device",
+                     "cpu", "--lr", "3e-3"],
+)
 {%- endif %}

@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from ..distributed import DistEnv
-from ..options import TrainOptions, UsageError
+from ..errors import UsageError
+from ..options import TrainOptions
 from .common import Checkpointer, TrainingProgress, check_checkpoint_dir
 from .replicated import ReplicatedCheckpointer, list_checkpoints
 from .sharded import ShardedCheckpointer, list_sharded_checkpoints, missing_pieces

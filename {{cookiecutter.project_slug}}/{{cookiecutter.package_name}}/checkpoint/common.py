@@ -19,7 +19,8 @@ import torch
 
 from ..collectives import from_first_rank_with
 from ..distributed import DistEnv
-from ..options import TrainOptions, UsageError, every_option, fixed_under_a_checkpoint, flag
+from ..errors import UsageError
+from ..options import TrainOptions, every_option, fixed_under_a_checkpoint, flag
 from ..parallel import check_replicas_match, sync_buffers_from_main
 from ..reproducibility import restore_rng_states
 

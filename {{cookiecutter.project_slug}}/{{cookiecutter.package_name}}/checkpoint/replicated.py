@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from ..collectives import all_reduce_int, broadcast_object, first_node_on_its_storage, from_first_rank_with
-from ..options import UsageError, every_option
+from ..errors import UsageError
+from ..options import every_option
 from ..reproducibility import gather_rng_states
 from .common import (
     Checkpointer,

@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 
 from ..collectives import barrier, broadcast_object, first_node_on_its_storage
+from ..errors import UsageError
 from ..optim import member_optimizers
-from ..options import UsageError, every_option
+from ..options import every_option
 from ..reproducibility import gather_rng_states
 from .common import (
     Checkpointer,
