@@ -201,7 +201,7 @@ def smoke_test_args(project: Path) -> list[str]:
     torch: a test that launches that run itself checks what those tests check for the price of its own launch."""
     [task] = project.glob("*/task.py")
     for node in ast.parse(task.read_text()).body:
-        if isinstance(node, ast.Assign) and [target.id for target in node.targets] == ["TASK"]:
+        if isinstance(node, ast.Assign) and [ast.unparse(target) for target in node.targets] == ["TASK"]:
             for keyword in node.value.keywords:
                 if keyword.arg == "smoke_test_args":
                     return ast.literal_eval(keyword.value)

@@ -26,17 +26,17 @@ def test_auto_precision_is_bf16_only_where_the_gpu_computes_it_natively(baked_mo
 
 
 def test_evaluation_runs_under_the_training_autocast(baked_module):
-    precision, metrics, task = baked_module("optim"), baked_module("metrics"), baked_module("task")
+    precision, evaluation, task = baked_module("optim"), baked_module("evaluation"), baked_module("task")
     torch.manual_seed(0)
     model = task.small_cnn(SimpleNamespace(task=SimpleNamespace(num_classes=10)), None)
     conv_output_dtypes = []
     model[0][0].register_forward_hook(lambda module, inputs, output: conv_output_dtypes.append(output.dtype))
     loader = DataLoader(task.LearnableFakeData(48, 16, 10, seed=0), batch_size=16)
     cpu = torch.device("cpu")
-    fp32 = metrics.evaluate(model, loader, cpu, precision.MixedPrecision("fp32", cpu), task.TASK)
+    fp32 = evaluation.evaluate(model, loader, cpu, precision.MixedPrecision("fp32", cpu), task.TASK)
     assert set(conv_output_dtypes) == {torch.float32}
     conv_output_dtypes.clear()
-    bf16 = metrics.evaluate(model, loader, cpu, precision.MixedPrecision("bf16", cpu), task.TASK)
+    bf16 = evaluation.evaluate(model, loader, cpu, precision.MixedPrecision("bf16", cpu), task.TASK)
     assert set(conv_output_dtypes) == {torch.bfloat16}
     assert bf16["samples"] == fp32["samples"] == 48
     assert bf16["loss"] != fp32["loss"] and abs(bf16["loss"] - fp32["loss"]) < 0.05 * fp32["loss"], (bf16, fp32)

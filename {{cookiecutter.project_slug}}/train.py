@@ -19,6 +19,7 @@ if __name__ == "__main__":  # run by torchrun or python, not imported by a test
 # ruff: noqa: E402
 
 import contextlib
+import logging
 import math
 import sys
 
@@ -27,15 +28,23 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from {{ cookiecutter.package_name }}.checkpoint import build_checkpointer, check_checkpoint_dir
 from {{ cookiecutter.package_name }}.data import build_loaders, to_device
-from {{ cookiecutter.package_name }}.distributed import DistEnv, StoreAddress, distributed_session, select_device
+from {{ cookiecutter.package_name }}.distributed import (
+    DistEnv,
+    StoreAddress,
+    describe_job,
+    distributed_session,
+    select_device,
+    setup_logging,
+)
 from {{ cookiecutter.package_name }}.errors import UsageError
+from {{ cookiecutter.package_name }}.evaluation import evaluate
 from {{ cookiecutter.package_name }}.failure import (
     CrashRecord,
     end_attempt_after,
     end_job_for_usage_error,
     usage_error_reported_under_this_torchrun,
 )
-from {{ cookiecutter.package_name }}.metrics import build_meter, describe_job, evaluate, log, setup_logging
+from {{ cookiecutter.package_name }}.metrics import build_meter
 from {{ cookiecutter.package_name }}.optim import (
     LearningRateSchedule,
     MixedPrecision,
@@ -54,6 +63,8 @@ from {{ cookiecutter.package_name }}.reproducibility import seed_and_choose_kern
 from {{ cookiecutter.package_name }}.spec import Task
 from {{ cookiecutter.package_name }}.task import TASK
 from {{ cookiecutter.package_name }}.watchdog import EXIT_CODE_AFTER_SIGTERM, StopAgreement, Watchdog
+
+log = logging.getLogger(__name__)
 
 
 def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device, store: StoreAddress | None) -> None:

@@ -14,16 +14,11 @@ from .distributed import DistEnv
 from .errors import UsageError
 
 
-def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
     """Reduce across ranks in place with op "sum", "max" or "min"; returns the tensor for chaining."""
     if dist.is_initialized():
         dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
     return tensor
-
-
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum across ranks, in place; returns the tensor for chaining."""
-    return all_reduce(tensor, "sum")
 
 
 def all_gather_objects(value) -> list:

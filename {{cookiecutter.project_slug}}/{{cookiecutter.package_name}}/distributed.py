@@ -1,5 +1,5 @@
-"""Joining the job torchrun started: read the launch environment once, pick device and backend, and start
-and tear down the process group on a store of this attempt's own.
+"""Joining the job torchrun started: read the launch environment once, set up logging for this rank, pick
+device and backend, and start and tear down the process group on a store of this attempt's own.
 
 Nothing else in the project reads torchrun's environment; collectives.py reduces numbers across ranks,
 parallel.py wraps the model (DDP, FSDP2), watchdog.py opens a store connection of its own, and
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import logging
 import os
 import re
 import socket
@@ -124,6 +125,20 @@ def select_device(requested: str, env: DistEnv) -> torch.device:
 
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def setup_logging(env: DistEnv) -> None:
+    """INFO on rank 0 only; other ranks report warnings and errors, prefixed with their rank."""
+    prefix = "" if env.is_main_process else f"[rank {env.rank}] "
+    logging.basicConfig(
+        level=logging.INFO if env.is_main_process else logging.WARNING,
+        format=f"%(asctime)s.%(msecs)03d {prefix}%(message)s", datefmt="%H:%M:%S", force=True,
+    )
+
+
+def describe_job(env: DistEnv, device: torch.device) -> str:
+    return (f"world_size={env.world_size} nodes={env.num_nodes} ranks_per_node={env.local_world_size} "
+            f"backend={backend_for(device)} device={device} run_id={env.run_id} restart={env.restart_count}")
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,7 @@ def check_devices(env: DistEnv, device: torch.device) -> tuple[bool, str]:
 
 def check_all_reduce_result(env: DistEnv, device: torch.device) -> tuple[bool, str]:
     world_size = env.world_size
-    values = all_reduce(torch.full((1024,), float(env.rank + 1), device=device))
+    values = all_reduce(torch.full((1024,), float(env.rank + 1), device=device), "sum")
     expected = world_size * (world_size + 1) / 2
     correct = bool(torch.all(values == expected).item())
     return correct, f"sum over ranks = {values[0].item():g}, expected {expected:g}"
@@ -69,13 +69,13 @@ def measure_all_reduce_bandwidth(env: DistEnv, device: torch.device, megabytes: 
     """Bus bandwidth per rank (the nccl-tests convention: 2 (W-1)/W bytes moved per byte reduced)."""
     world_size = env.world_size
     tensor = torch.ones(megabytes * 2**20 // 4, device=device)
-    all_reduce(tensor)  # warm-up: connections and buffers
+    all_reduce(tensor, "sum")  # warm-up: connections and buffers
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         started = time.perf_counter()
-        all_reduce(tensor)
+        all_reduce(tensor, "sum")
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - started)

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from .collectives import all_reduce_sum
+from .collectives import all_reduce
 from .distributed import DistEnv
 from .options import TrainOptions
 
@@ -48,7 +48,7 @@ def gather_rng_states(env: DistEnv, device: torch.device) -> dict[str, list[list
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.zeros(0, dtype=torch.uint8)
     table = torch.zeros(env.world_size, cpu.numel() + cuda.numel(), dtype=torch.int64, device=device)
     table[env.rank] = torch.cat([cpu, cuda]).to(device=device, dtype=torch.int64)
-    rows = all_reduce_sum(table).tolist()
+    rows = all_reduce(table, "sum").tolist()
     return {"cpu_rng_states": [row[:cpu.numel()] for row in rows],
             "cuda_rng_states": [row[cpu.numel():] for row in rows]}
 

@@ -27,7 +27,7 @@ from typing import Any
 from .distributed import DistEnv
 from .options import TrainOptions, every_option
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 30  # at the end of a run, for the queue's last rows and the tracker's own flush
 # The W&B project and the MLflow experiment, unless the environment names one.

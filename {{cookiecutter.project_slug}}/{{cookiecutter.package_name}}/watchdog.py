@@ -28,6 +28,7 @@ import traceback
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,15 @@ REPORTING_A_HANG = threading.Event()
 WAITING_IN = ("torch/distributed/", "torch/autograd/", "torch/_tensor.py")
 
 
+class Phase(NamedTuple):
+    """What the main thread is doing: replaced whole (one assignment, atomic under the GIL), never changed."""
+
+    what: str  # "training step", "saving a checkpoint", ...
+    step: int  # the optimizer step it belongs to
+    slow: bool  # a slow phase (I/O, evaluation): allowed io_timeout, not step_timeout
+    since: float  # time.monotonic() at its start
+
+
 class Watchdog:
     """`beat(step)` after every optimizer step; wrap slow phases (start-up, checkpoint I/O, evaluation) in
     `slow_phase(...)`. A training step that takes longer than `step_timeout`, or a slow phase longer than
@@ -68,7 +78,7 @@ class Watchdog:
         self.io_timeout = io_timeout
         self.sigterm_received = False
         self._sigterm_seen_at: float | None = None
-        self._phase = ("starting", 0, True, time.monotonic())  # (what, step, is a slow phase, since)
+        self._phase = Phase("starting", 0, True, time.monotonic())
         self._longest_step = 0.0
         self._main_thread = threading.main_thread().ident
         self._store_address = store_address
@@ -84,15 +94,15 @@ class Watchdog:
         self._arm_backstop(self._phase)
         threading.Thread(target=self._watch, name="watchdog", daemon=True).start()
 
-    def _arm_backstop(self, phase: tuple) -> None:
+    def _arm_backstop(self, phase: Phase) -> None:
         """This thread needs the GIL, which a main thread stuck in C code that holds it (a regular expression
         that backtracks for hours, a C extension's loop) never gives up: then faulthandler's own thread, which
         needs no GIL, prints every thread's stack and exits 1, well after this watchdog would have reported.
         Training steps are armed from this thread, off the loop's path (an arming starts a thread, about
         40 us); a slow phase's start and end by the main thread itself, so that neither a long save that holds
         the GIL meets a step's deadline, nor a step right after one keeps the slow phase's."""
-        _, _, slow, since = phase
-        deadline = since + 2 * (self.io_timeout if slow else self.step_timeout) + 2 * self._longest_step + 10
+        allowed = self.io_timeout if phase.slow else self.step_timeout
+        deadline = phase.since + 2 * allowed + 2 * self._longest_step + 10
         # To the process's own stderr, not sys.stderr: torch's excepthook swaps sys.stderr for a StringIO while
         # it prints a traceback, and an arming then fails (io.UnsupportedOperation: fileno) and ends this thread.
         faulthandler.dump_traceback_later(max(deadline - time.monotonic(), 1.0), exit=True,
@@ -104,21 +114,20 @@ class Watchdog:
     def beat(self, step: int) -> None:
         """An optimizer step finished: the next one is a training step again."""
         now = time.monotonic()
-        what, _, slow, since = self._phase
-        if not slow:
-            self._longest_step = max(self._longest_step, now - since)
-        self._phase = ("training step", step + 1, False, now)
+        if not self._phase.slow:
+            self._longest_step = max(self._longest_step, now - self._phase.since)
+        self._phase = Phase("training step", step + 1, False, now)
 
     @contextlib.contextmanager
     def slow_phase(self, what: str) -> Iterator[None]:
         """Checkpoint I/O, evaluation: allowed `io_timeout`, not `step_timeout`."""
-        _, step, _, _ = self._phase
-        self._phase = (what, step, True, time.monotonic())
+        step = self._phase.step
+        self._phase = Phase(what, step, True, time.monotonic())
         self._arm_backstop(self._phase)
         try:
             yield
         finally:
-            self._phase = ("training step", step, False, time.monotonic())
+            self._phase = Phase("training step", step, False, time.monotonic())
             self._arm_backstop(self._phase)
 
     def _watch(self) -> None:
@@ -131,20 +140,19 @@ class Watchdog:
                 if signal.SIGTERM in os.read(self._wakeup_read, 256):
                     self.sigterm_received = True
                     self._sigterm_seen_at = self._sigterm_seen_at or time.monotonic()
-            what, step, slow, since = self._phase
-            now = time.monotonic()
-            if now - since > (self.io_timeout if slow else self.step_timeout):
-                self._end_after_hang(what, step, now - since)
+            phase, now = self._phase, time.monotonic()
+            if now - phase.since > (self.io_timeout if phase.slow else self.step_timeout):
+                self._end_after_hang(phase.what, phase.step, now - phase.since)
             # In a preemption every rank soon reaches the next step and stops there together; a rank still
             # inside the same training step a few step times after SIGTERM waits for a peer that has gone.
             # Before a step has been timed (the first, with compilation, autotuning and the loaders' start),
             # nothing says how long one takes: then it gets the time that is left to save in torchrun's grace.
             patience = 1.0 + 2 * self._longest_step if self._longest_step else PATIENCE_BEFORE_A_TIMED_STEP
-            if (self._sigterm_seen_at and not slow and now - since > patience
+            if (self._sigterm_seen_at and not phase.slow and now - phase.since > patience
                     and now - self._sigterm_seen_at > patience):
                 log.error("[rank %d] SIGTERM while step %d has waited %.1f s for other ranks: one of them has "
-                          "gone; exiting now so torchrun can restart the group\n%s", self.env.rank, step,
-                          now - since, self._main_thread_stack())
+                          "gone; exiting now so torchrun can restart the group\n%s", self.env.rank, phase.step,
+                          now - phase.since, self._main_thread_stack())
                 os._exit(EXIT_CODE_AFTER_SIGTERM)
 
     def _main_thread_stack(self) -> str:

@@ -24,7 +24,7 @@ from ..options import TrainOptions, every_option, fixed_under_a_checkpoint, flag
 from ..parallel import check_replicas_match, sync_buffers_from_main
 from ..reproducibility import restore_rng_states
 
-log = logging.getLogger("{{ cookiecutter.package_name }}.checkpoint")
+log = logging.getLogger(__name__)
 
 
 @dataclass

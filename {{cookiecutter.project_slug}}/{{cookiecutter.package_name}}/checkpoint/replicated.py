@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import re
@@ -22,8 +23,9 @@ from .common import (
     first_line,
     fsync_directory,
     hold_checkpoint_folder,
-    log,
 )
+
+log = logging.getLogger(__name__)
 
 CHECKPOINT_NAME = re.compile(r"step-(\d+)\.pt")
 

@@ -8,6 +8,7 @@ and DCP has written the folder's .metadata, so a crash mid-save never leaves a f
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -27,8 +28,9 @@ from .common import (
     TrainingProgress,
     fsync_directory,
     hold_checkpoint_folder,
-    log,
 )
+
+log = logging.getLogger(__name__)
 
 # torch.distributed.checkpoint is imported where it is used: it imports DTensor, which costs every rank's
 # start (and restart) half a second where nothing is sharded.

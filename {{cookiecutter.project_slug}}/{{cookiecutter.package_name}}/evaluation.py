@@ -1,0 +1,108 @@
+"""The held-out evaluation: the task's sums added up exactly over batches and ranks, per-sample outputs
+gathered from every rank, the same number of batches on every rank, and a stop that a SIGTERM can ask for."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from .collectives import all_gather_objects, all_reduce_int, all_reduce, from_first_rank_with
+from .data import to_device
+from .errors import UsageError
+from .optim import MixedPrecision
+from .parallel import sync_buffers_from_main
+from .spec import Task
+
+# How often an evaluation asks whether to stop: a blocking all-reduce of one number, cheap beside 16 forwards.
+STOP_CHECK_BATCHES = 16
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader, device: torch.device, amp: MixedPrecision, task: Task,
+             max_batches: int | None = None, stop: Callable[[], bool] | None = None) -> dict[str, float] | None:
+    """task.summarize(sums, outputs): task.evaluation_sums added up over the held-out split and over ranks (not
+    a mean of per-rank means, which is wrong when shards differ in size), and task.evaluation_outputs'
+    per-sample rows from every rank, if the task has it. A sum may be a tensor of any shape (a confusion
+    matrix): summarize gets it as a float if it has one element, else as a tensor. Forwards run under
+    training's autocast: as fast as training's, and the numbers are those of the model as trained.
+    max_batches=1 is the check before training starts: a bug in the evaluation path shows at step 0.
+    `stop()`, a collective that says whether to stop now, is asked every STOP_CHECK_BATCHES batches (every
+    rank at the same ones): if it says so, the evaluation ends there and returns None, so that a SIGTERM
+    during a long evaluation still leaves time to save.
+
+    Every rank runs the same number of batches: FSDP2 all-gathers inside forward, and a loss may hold
+    collectives of its own (negatives from every rank), so a rank that stopped early would leave the others
+    waiting forever. Shards differ by up to one sample, so batch counts may too: a rank with fewer batches
+    repeats its last one, and counts none of it."""
+    sync_buffers_from_main(model)  # every rank evaluates with the same BatchNorm statistics
+    was_training = model.training
+    model.eval()
+    batches = len(loader) if max_batches is None else min(len(loader), max_batches)
+    most = all_reduce_int(batches, device, "max")
+    if all_reduce_int(batches, device, "min") == 0 < most:
+        raise UsageError("the held-out split has fewer samples than there are ranks; use more data")
+    def evaluated(batch) -> tuple[dict, dict[str, torch.Tensor] | None]:
+        with amp.autocast():
+            sums = task.evaluation_sums(model, batch)
+            outputs = None if task.evaluation_outputs is None else task.evaluation_outputs(model, batch)
+        return sums, outputs
+
+    totals, rows, batch, problem = None, [], None, None
+    batches_left = iter(loader)
+    for index in range(most):
+        if stop is not None and index % STOP_CHECK_BATCHES == STOP_CHECK_BATCHES - 1 and stop():
+            model.train(was_training)
+            return None
+        if index >= batches:  # the same forwards and collectives as a counted batch, counted nowhere
+            evaluated(batch)
+            continue
+        batch = to_device(next(batches_left), device)
+        sums, outputs = evaluated(batch)
+        if outputs is not None:
+            rows.append({name: value.detach().cpu() for name, value in outputs.items()})
+        values = {name: torch.as_tensor(value, device=device).double() for name, value in sums.items()}
+        if totals is not None and shapes_of(values) != shapes_of(totals):  # reported below, on every rank
+            problem = problem or f"task.evaluation_sums returned {shapes_of(values)} after {shapes_of(totals)}"
+            continue
+        totals = values if totals is None else {name: totals[name] + value for name, value in values.items()}
+    model.train(was_training)
+    sums = sum_across_ranks(totals, device, task.throughput_unit, problem)
+    outputs = {}
+    if task.evaluation_outputs is not None:
+        gathered = [row for rank_rows in all_gather_objects(rows) for row in rank_rows]  # rank by rank
+        outputs = {name: torch.cat([row[name] for row in gathered]) for name in (gathered[0] if gathered else {})}
+    if sums.get(task.throughput_unit, 0) == 0:
+        return {"loss": math.nan, task.throughput_unit: 0}
+    return task.summarize(sums, outputs)
+
+
+def shapes_of(values: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(value.shape) for name, value in values.items()}
+
+
+def sum_across_ranks(totals: dict[str, torch.Tensor] | None, device: torch.device, unit: str,
+                     problem: str | None = None) -> dict:
+    """Each named total summed over ranks, in one all-reduce (a collective); a one-element total comes back as
+    a float, others as CPU tensors. Every rank joins, also one without held-out batches (totals None), so all
+    take the names and shapes of the lowest rank that has them. Sums whose names or shapes differ between
+    batches or ranks (a bincount without minlength) stop every rank with one line: added up, they would
+    broadcast into wrong numbers, or leave ranks in all-reduces of different lengths."""
+    shapes = from_first_rank_with(None if totals is None else shapes_of(totals), device)
+    if problem is None and totals is not None and shapes_of(totals) != shapes:
+        problem = f"task.evaluation_sums returned {shapes_of(totals)} on one rank and {shapes} on another"
+    problem = from_first_rank_with(problem, device)  # a collective: every rank stops, or none
+    if problem:
+        raise UsageError(f"{problem}; every sum must have the same names and shapes on every batch and rank "
+                         "(e.g. torch.bincount(..., minlength=classes))")
+    shapes = shapes or {unit: ()}
+    if totals is None:
+        totals = {name: torch.zeros(shape, device=device, dtype=torch.float64) for name, shape in shapes.items()}
+    flat = all_reduce(torch.cat([totals[name].flatten() for name in shapes]), "sum")
+    sums, offset = {}, 0
+    for name, shape in shapes.items():
+        size = math.prod(shape)
+        value = flat[offset:offset + size].reshape(shape).cpu()
+        sums[name], offset = value.item() if size == 1 else value, offset + size
+    return sums
