@@ -49,7 +49,7 @@ def test_template_top_level_is_the_cards_layout():
     top_level = {name.split("/", 1)[0] for name in tracked}
     assert top_level == {
         "cookiecutter.json", "hooks", "{{cookiecutter.project_slug}}", "tests", "README.md",  # the card's five
-        "Makefile", "benchmarks", ".ci", "pyproject.toml", "requirements-dev.txt", ".gitignore",  # our tooling
+        "Makefile", "benchmarks", "tools", ".ci", "pyproject.toml", "requirements-dev.txt", ".gitignore",  # our tooling
     }
 
 

@@ -165,3 +165,13 @@ def test_state_that_weights_only_loading_refuses_is_not_saved_and_stops_the_job(
         "torch.load(weights_only=True) refuses; make each component's state_dict() hold tensors and plain Python "
         "values (e.g. float(x) for a numpy scalar)"], result.stderr[-3000:]
     assert not list((tmp_path / "ckpt").glob("*step-*")), "nothing published, no temporary left"
+
+
+def test_an_exception_without_a_message_still_makes_one_line(baked_module, tmp_path):
+    # A load failure, or a lost peer, whose exception says nothing: the line names its type instead.
+    common, failure = baked_module("checkpoint.common"), baked_module("failure")
+    for error in (RuntimeError(), ValueError("\n\n"), OSError("  ")):
+        line = str(common.checkpoint_mismatch(tmp_path / "step-4.pt", error))
+        assert line == (f"{tmp_path / 'step-4.pt'} does not fit this model or optimizer ({type(error).__name__}); "
+                        "use another --ckpt-dir, or the options it was trained with"), line
+        assert failure.first_sentence(error) == type(error).__name__

@@ -242,5 +242,5 @@ def test_a_slurm_job_with_a_usage_error_fails_once_and_is_not_requeued(bake, slu
     output = (project / f"slurm-{job_id}.out").read_text()
     assert state["JobState"] == "FAILED" and state["Restarts"] == "0", (state, output)
     ours = [line for line in output.splitlines() if line.startswith("error: ")]
-    assert len(ours) == 1 and "--model 'nope' is not registered" in ours[0], output
+    assert len(ours) == 1 and "--model 'nope' is not in the task's models" in ours[0], output
     assert f"train.sbatch: not requeueing job {job_id}: {ours[0]}" in output, output

@@ -95,7 +95,7 @@ def test_a_usage_error_is_printed_once_per_job_and_its_retries_are_silent(defaul
     output = result.stdout + result.stderr
     assert result.returncode == 1, output
     ours = [line for line in output.splitlines() if line.startswith("error: ")]
-    assert len(ours) == 1 and ours[0].startswith("error: --model 'nope' is not registered"), output
+    assert len(ours) == 1 and ours[0].startswith("error: --model 'nope' is not in the task's models"), output
     assert len(re.findall(r"failed \(exitcode: 1\) local_rank: \d", output)) == 2, output  # the retry ran
     assert (tmp_path / "stop-requeue").read_text() == ours[0] + "\n"
     assert not (tmp_path / ".crashes").exists(), "a usage error is not a crash to compare with the next"

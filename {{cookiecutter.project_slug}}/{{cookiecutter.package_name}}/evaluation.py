@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from .collectives import all_gather_objects, all_reduce_int, all_reduce, from_first_rank_with
+from .collectives import all_gather_objects, all_reduce, all_reduce_int, from_first_rank_with
 from .data import to_device
 from .errors import UsageError
 from .optim import MixedPrecision

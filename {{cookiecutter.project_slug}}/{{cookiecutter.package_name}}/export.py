@@ -21,14 +21,14 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from .checkpoint import list_checkpoints, list_sharded_checkpoints, missing_pieces
+from .checkpoint import missing_pieces
+from .checkpoint.folder import every_checkpoint
 from .checkpoint.sharded import saved_options
 from .task import TaskOptions
 
 
 def newest_checkpoint(ckpt_dir: Path) -> Path:
-    candidates = sorted(list_checkpoints(ckpt_dir) + list_sharded_checkpoints(ckpt_dir), reverse=True)
-    for _, path in candidates:
+    for _, path in every_checkpoint(ckpt_dir):
         if path.is_file() or missing_pieces(path) is None:
             return path
     raise SystemExit(f"error: no checkpoint in {ckpt_dir}; pass a step-<N>.pt file or step-<N>/ folder")

@@ -32,14 +32,13 @@ import sys
 import tempfile
 import time
 import traceback
-import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from .checkpoint import list_checkpoints, list_sharded_checkpoints
+from .checkpoint.folder import CRASH_RECORDS, every_checkpoint, write_json
 from .collectives import all_reduce_int
 from .distributed import DistEnv, PortTaken, as_file_name, publish_usage_error
 from .errors import UsageError
@@ -123,8 +122,8 @@ class Crash:
 
 def conditions_now(ckpt_dir: Path) -> dict[str, str]:
     """What a retry would start from: the newest checkpoint, the code, the command line."""
-    steps = [step for step, _ in list_checkpoints(ckpt_dir) + list_sharded_checkpoints(ckpt_dir)]
-    return {"newest_checkpoint": f"step-{max(steps)}" if steps else "none", "code": code_hash(),
+    steps = [step for step, _ in every_checkpoint(ckpt_dir)]
+    return {"newest_checkpoint": f"step-{steps[0]}" if steps else "none", "code": code_hash(),
             "command": hashlib.sha256("\0".join(sys.argv).encode()).hexdigest()[:16]}
 
 
@@ -142,7 +141,7 @@ class CrashRecord:
     def __init__(self, ckpt_dir: str, env: DistEnv):
         self.ckpt_dir = Path(ckpt_dir)
         self.env = env
-        folder = self.ckpt_dir / ".crashes"
+        folder = self.ckpt_dir / CRASH_RECORDS
         name = env.run_name
         self.path = folder / f"{name}.json"
         self.launcher = process_identity(os.getppid())  # torchrun's agent: unique while the machine is up
@@ -158,10 +157,7 @@ class CrashRecord:
             return None, False, ""
 
     def write(self, crash: Crash, bug: bool) -> None:
-        self.path.parent.mkdir(exist_ok=True)
-        partial = self.path.with_name(f".{self.path.name}.{uuid.uuid4().hex}")  # pids repeat across containers
-        partial.write_text(json.dumps({"crash": asdict(crash), "bug": bug, "launcher": self.launcher}))
-        os.replace(partial, self.path)
+        write_json(self.path, {"crash": asdict(crash), "bug": bug, "launcher": self.launcher})
 
     def first_to_report(self) -> bool:
         """True on the first rank of this attempt to ask; every rank that crashes asks."""

@@ -98,7 +98,7 @@ class Task:
 
     def unknown_name(self, kind: str, name: str, builders: dict) -> str:
         close = difflib.get_close_matches(name, list(builders), n=3)
-        known = sorted(builders)
+        known = sorted(builders, key=lambda known_name: (known_name not in self.models, known_name))  # ours first
         hint = (f"did you mean {', '.join(close)}?" if close
                 else f"known: {', '.join(known[:8])}{', ...' if len(known) > 8 else ''}.")
         table = "datasets" if kind == "data" else "models"

@@ -24,6 +24,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from .checkpoint.folder import TRACKER_RECORD, write_json
 from .distributed import DistEnv
 from .options import TrainOptions, every_option
 
@@ -39,7 +40,7 @@ class RunRecord:
     row already sent at that step: a training row and an evaluation row share a step)."""
 
     def __init__(self, ckpt_dir: str, tracker: str, resumed_step: int):
-        self.path = Path(ckpt_dir) / "tracker.json"
+        self.path = Path(ckpt_dir) / TRACKER_RECORD
         saved = json.loads(self.path.read_text()) if self.path.exists() else {}
         # Only a job that resumes from a checkpoint continues the recorded run, and only in the same tracker.
         continues = saved.get("tracker") == tracker and resumed_step > 0
@@ -60,13 +61,10 @@ class RunRecord:
         return True
 
     def save(self, run_id: str | None = None) -> None:
-        """Written whole, as failure.py's crash record is: a kill leaves the old record or the new one."""
+        """Written whole: a kill leaves the old record or the new one."""
         if run_id is not None:
             self.state["run_id"] = run_id
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        partial = self.path.with_name(f".{self.path.name}.{uuid.uuid4().hex}")  # pids repeat across containers
-        partial.write_text(json.dumps(self.state))
-        os.replace(partial, self.path)
+        write_json(self.path, self.state)
 
 
 class WandbRun:

@@ -23,6 +23,7 @@ from ..errors import UsageError
 from ..options import TrainOptions, every_option, fixed_under_a_checkpoint, flag
 from ..parallel import check_replicas_match, sync_buffers_from_main
 from ..reproducibility import restore_rng_states
+from .folder import LEASE_FILE
 
 log = logging.getLogger(__name__)
 
@@ -61,15 +62,6 @@ def check_checkpoint_dir(ckpt_dir: str) -> None:
             pass
     except OSError as error:
         raise UsageError(f"--ckpt-dir {ckpt_dir} cannot be written ({error.strerror}); choose another folder") from None
-
-
-def fsync_directory(folder: Path) -> None:
-    """Make a rename into `folder` durable, not just the renamed file's contents."""
-    directory = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
 
 
 def first_line(error: BaseException) -> str:
@@ -122,7 +114,6 @@ def check_resumed_options(saved: dict | None, options: TrainOptions, source: Pat
     return changes
 
 
-LEASE_FILE = ".lease"  # in --ckpt-dir: which job holds it
 
 
 def hold_checkpoint_folder(ckpt_dir: Path, env: DistEnv, device: torch.device, holder: bool):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import re
 import tempfile
 import zipfile
 from dataclasses import asdict, fields
@@ -21,13 +20,12 @@ from .common import (
     Checkpointer,
     TrainingProgress,
     first_line,
-    fsync_directory,
     hold_checkpoint_folder,
 )
+from .folder import fsync_directory, list_checkpoints
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_NAME = re.compile(r"step-(\d+)\.pt")
 
 
 def checkpoint_path(ckpt_dir: Path, step: int) -> Path:
@@ -59,16 +57,6 @@ def save_checkpoint_atomically(state: dict, path: Path) -> str | None:
         raise
     fsync_directory(path.parent)
     return None
-
-
-def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every step-<N>.pt, newest first."""
-    found = []
-    for path in ckpt_dir.glob("step-*.pt"):
-        match = CHECKPOINT_NAME.fullmatch(path.name)
-        if match:
-            found.append((int(match[1]), path))
-    return sorted(found, reverse=True)
 
 
 # What makes a file one of our checkpoints; which components it holds is checked on resume (common.py).

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import uuid
 from dataclasses import asdict
@@ -26,24 +25,16 @@ from ..reproducibility import gather_rng_states
 from .common import (
     Checkpointer,
     TrainingProgress,
-    fsync_directory,
     hold_checkpoint_folder,
 )
+from .folder import fsync_directory, list_sharded_checkpoints, write_json
 
 log = logging.getLogger(__name__)
 
 # torch.distributed.checkpoint is imported where it is used: it imports DTensor, which costs every rank's
 # start (and restart) half a second where nothing is sharded.
 
-CHECKPOINT_FOLDER = re.compile(r"step-(\d+)")
 OPTIONS_FILE = "options.json"  # the TrainOptions the run had, beside DCP's files
-
-
-def list_sharded_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
-    """(step, folder) of every step-<N>/, newest first."""
-    found = [(int(match[1]), path) for path in ckpt_dir.glob("step-*")
-             if path.is_dir() and (match := CHECKPOINT_FOLDER.fullmatch(path.name))]
-    return sorted(found, reverse=True)
 
 
 def saved_options(folder: Path) -> dict | None:
@@ -56,16 +47,6 @@ def saved_options(folder: Path) -> dict | None:
     except ValueError:
         log.warning("%s is torn; resuming without comparing options", folder / OPTIONS_FILE)
         return None
-
-
-def write_durably(path: Path, text: str) -> None:
-    """`text` in `path`, whole or not at all: a temporary name, fsync, rename."""
-    partial = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-    with open(partial, "w") as file:
-        file.write(text)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(partial, path)
 
 
 def missing_pieces(folder: Path) -> str | None:
@@ -141,7 +122,7 @@ class ShardedCheckpointer(Checkpointer):
         partial = self.ckpt_dir / f".step-{progress.step}.partial"
         dcp.save(self._state(progress, self.env.world_size), checkpoint_id=partial)  # all shards and .metadata
         if self.env.is_main_process:
-            write_durably(partial / OPTIONS_FILE, json.dumps(every_option(self.options), indent=1))
+            write_json(partial / OPTIONS_FILE, every_option(self.options), durable=True)
             publish(partial, final)
             for _, old in list_sharded_checkpoints(self.ckpt_dir)[self.keep:]:
                 if old != final:  # never the one just written, whatever steps older folders claim
