@@ -51,7 +51,7 @@ test-fast: $(INSTALLED) lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not slow" tests
 
 lint: $(INSTALLED)
-	$(BIN)/ruff check benchmarks tests  # hooks and the project are Jinja, linted once baked
+	$(BIN)/ruff check benchmarks tests tools  # hooks and the project are Jinja, linted once baked
 	$(BIN)/shellcheck .ci/run .ci/other_pythons .ci/torch_versions
 
 clean:

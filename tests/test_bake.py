@@ -32,8 +32,9 @@ DEFAULT_FILES = {
     "tests/harness.py", "tests/test_smoke.py",
     *(f"ddp_training/{name}.py" for name in
       ("__init__", "checkpoint/__init__", "checkpoint/common", "checkpoint/replicated", "checkpoint/sharded",
-       "collectives", "data", "distributed", "errors", "evaluation", "export", "failure", "metrics", "optim", "options", "parallel",
-       "preflight", "reproducibility", "spec", "task", "trackers", "watchdog")),
+       "checkpoint/folder", "collectives", "data", "distributed", "errors", "evaluation", "export", "failure",
+       "metrics", "optim", "options", "parallel", "preflight", "reproducibility", "spec", "task", "trackers",
+       "watchdog")),
 }
 
 # Every value class each answer admits; each is baked and checked.

@@ -9,6 +9,7 @@ task.py, train.py or checkpoint/common.py change, run
 which bakes the default project, applies each recipe's edits below to its files and writes the resulting
 diffs into the README's ```diff blocks, in order. The edits are (old, new) replacements of whole lines.
 """
+# ruff: noqa: E501 - the recipes' lines are the project's, each inside a string
 
 from __future__ import annotations
 
@@ -333,7 +334,7 @@ def main() -> None:
     blocks = list(re.finditer(r"```diff\n(.*?)```", text, re.DOTALL))
     if len(blocks) != len(diffs):
         sys.exit(f"{README}: {len(blocks)} diff blocks, {len(diffs)} recipes")
-    for block, diff in reversed(list(zip(blocks, diffs))):
+    for block, diff in reversed(list(zip(blocks, diffs, strict=True))):
         text = text[:block.start(1)] + diff + text[block.end(1):]
     README.write_text(text)
     print(f"{README.relative_to(TEMPLATE)}: {len(diffs)} diffs written")
