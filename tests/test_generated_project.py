@@ -210,7 +210,8 @@ def test_on_nccl_the_hang_report_uses_torchs_flight_recorder(baked_train, tmp_pa
     # NCCL collectives return once queued, so a healthy rank's stack is not "waiting for others" and cannot
     # name the stopped rank; torch's flight recorder, dumped on every rank when one times out, can.
     import torch
-    from ddp_training.distributed import DistEnv, nccl_flight_recorder_settings
+    from ddp_training.distributed import DistEnv
+    from ddp_training.watchdog import nccl_flight_recorder_settings
     from ddp_training.watchdog import hang_summary
 
     monkeypatch.chdir(tmp_path)

@@ -3,15 +3,10 @@ per-sample seeded augmentation, and batches moved to the device."""
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
 import math
 import os
-import select
-import signal
-import sys
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -19,9 +14,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
-from .distributed import DistEnv, close_job_sockets
+from .distributed import DistEnv
 from .errors import UsageError
 from .options import TrainOptions
+from .watchdog import detach_from_job_signals
 
 
 class SeededSampleDataset(Dataset):
@@ -99,51 +95,6 @@ class ResumableDistributedSampler(DistributedSampler):
     def __len__(self) -> int:
         remaining = math.ceil((len(self.dataset) - self.start_sample) / self.num_replicas)
         return remaining - remaining % self.samples_per_step
-
-
-def detach_from_job_signals(worker_id: int, training_process: int) -> None:
-    """DataLoader workers leave the training process's process group, so the SIGTERM or Ctrl-C that torchrun
-    (which signals its workers' groups) or a terminal sends the group does not reach them: the training
-    process decides when to stop, saves, and then shuts its workers down itself.
-
-    Slurm signals every process of a job step, workers included. So a worker obeys SIGTERM only from its
-    training process: that is how the DataLoader ends a worker that does not stop when asked, and Python's
-    exit ends daemonic children before joining them. A worker that ignored SIGTERM made every exit after an
-    error wait for torchrun's SIGKILL, 30 s later; one that obeyed every SIGTERM died under Slurm's
-    preemption signal, failing the step that was to be saved. `training_process` is passed in, not read with
-    os.getppid(): under the forkserver start method (Python 3.14's default on Linux) a worker's parent is the
-    forkserver.
-
-    A worker ends with the training process: torch's own check of its parent runs only between samples, so a
-    worker stuck in a dataset's __getitem__ outlived a training process that the watchdog had ended, in a
-    process group that torchrun no longer signals. Under fork, Linux's parent-death signal kills it even while
-    it holds the GIL; under forkserver the parent is the forkserver, which lives as long as its children do,
-    so a thread also watches the training process itself."""
-    os.setpgid(0, 0)
-    if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
-    training_process_ended = watch_process(training_process)
-    signal.set_wakeup_fd(-1)  # the parent's watchdog pipe is not this process's
-    close_job_sockets()  # so a dead training process's ports refuse, and its peers' collectives fail, at once
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # held for the thread below, in every thread
-
-    def follow_the_training_process() -> None:
-        while True:
-            received = signal.sigtimedwait({signal.SIGTERM}, 1.0)
-            if (received and received.si_pid == training_process) or training_process_ended():
-                os._exit(0)  # as torch's own worker handler does: a requested exit, not a failure
-
-    threading.Thread(target=follow_the_training_process, daemon=True).start()
-
-
-def watch_process(pid: int) -> Callable[[], bool]:
-    """A check of whether process `pid` has ended: a pidfd on Linux (never fooled by a reused pid)."""
-    try:
-        handle = os.pidfd_open(pid)
-    except (AttributeError, OSError):  # not Linux; or the process has already ended
-        return lambda: not os.path.exists(f"/proc/{pid}") if sys.platform == "linux" else False
-    return lambda: bool(select.select([handle], [], [], 0)[0])
 
 
 def build_loaders(train_set: Dataset, eval_set: Dataset, options: TrainOptions, env: DistEnv,

@@ -19,12 +19,12 @@ import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from .errors import UsageError
+from .watchdog import nccl_flight_recorder_settings, recording_job_sockets
 
 # What torchrun sets for every worker. Either all of these are present or none (plain `python train.py`).
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -184,24 +184,6 @@ def distributed_session(env: DistEnv, device: torch.device,
             dist.destroy_process_group()
 
 
-def hang_reports_folder(env: DistEnv) -> Path:
-    """Where this run's hang reports go (NCCL's flight records), relative to where the job was started: a
-    folder per run id, so two jobs started from one folder keep each other's."""
-    return Path("hang-reports") / env.run_name
-
-
-def nccl_flight_recorder_settings(env: DistEnv) -> dict[str, str]:
-    """NCCL's flight recorder: each rank keeps its last 2000 collectives, and when one rank's collective times
-    out, every rank writes them to hang-reports/<run id>/nccl_trace_rank_<N>, for `python -m
-    torch.distributed.flight_recorder.fr_trace hang-reports/<run id>` to show which collective each rank
-    reached. That, not a Python stack, tells where NCCL ranks wait: their collectives return as soon as they
-    are queued. (TORCH_NCCL_TRACE_BUFFER_SIZE is the older name of TORCH_FR_BUFFER_SIZE.)"""
-    folder = hang_reports_folder(env).resolve()
-    folder.mkdir(parents=True, exist_ok=True)
-    return {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-            "TORCH_FR_DUMP_TEMP_FILE": str(folder / "nccl_trace_rank_")}
-
-
 class PortTaken(RuntimeError):
     """Without a shared store, torchrun picks a free port for rank 0's store when an attempt starts, and rank 0
     listens on it seconds later; another process on that machine can take it in between
@@ -316,42 +298,6 @@ def wait_for_every_rank(store: dist.Store, shared: dist.Store, env: DistEnv, dea
             raise TimeoutError(f"only {joined} of {env.world_size} ranks joined this attempt within the timeout")
         time.sleep(pause)
         pause = min(2 * pause, 1.0)
-
-
-# The job's own connections (its store, gloo's full mesh), for DataLoader workers to close (data.py): a forked
-# copy would keep a dead rank's connections open, so its peers would wait in a collective instead of failing.
-JOB_SOCKETS: set[tuple[int, int]] = set()  # (file descriptor, socket inode)
-
-
-def network_sockets() -> dict[int, int]:
-    """This process's open TCP/IP sockets: file descriptor -> socket inode (Linux; empty elsewhere)."""
-    found = {}
-    if os.path.isdir("/proc/self/fd"):
-        for name in os.listdir("/proc/self/fd"):
-            with contextlib.suppress(OSError, ValueError):
-                probe = socket.socket(fileno=int(name))  # raises for anything that is not a socket
-                family = probe.family
-                probe.detach()  # looking must not close it
-                if family in (socket.AF_INET, socket.AF_INET6):
-                    found[int(name)] = os.fstat(int(name)).st_ino
-    return found
-
-
-@contextlib.contextmanager
-def recording_job_sockets() -> Iterator[None]:
-    """Around the creation of a store or process group: remember the sockets it opened."""
-    before = network_sockets()
-    yield
-    JOB_SOCKETS.update(network_sockets().items() - before.items())
-
-
-def close_job_sockets() -> None:
-    """In a forked child (a DataLoader worker): close its copies of the job's connections and listening
-    ports, checking each is still the same socket."""
-    for fd, inode in JOB_SOCKETS:
-        with contextlib.suppress(OSError):
-            if os.fstat(fd).st_ino == inode:
-                os.close(fd)
 
 
 def address_toward(host: str) -> str:

@@ -1,6 +1,8 @@
-"""Keeps one stuck rank from stalling a job: a thread beside the training loop that ends this rank when it
-stops making progress, says where every rank was, and makes SIGTERM prompt. SIGTERM is handled here alone:
-the handler, the watching thread, and the agreement of all ranks to stop after the same step (StopAgreement).
+"""Processes and signals, in one place. Keeps one stuck rank from stalling a job: a thread beside the
+training loop that ends this rank when it stops making progress, says where every rank was (and where NCCL's
+flight records go), and makes SIGTERM prompt. SIGTERM is handled here alone: the handler, the watching
+thread, the agreement of all ranks to stop after the same step (StopAgreement), and DataLoader workers,
+which leave the job's signals and its sockets to the training process (detach_from_job_signals).
 
 torchrun restarts a worker group only after a worker exits. A rank waiting in a collective for a peer that
 is stopped, stuck, or gone without closing its connections waits out the process-group timeout; and while
@@ -14,6 +16,7 @@ TORCH_NCCL_ASYNC_ERROR_HANDLING and a shorter timeout after warm-up, as torchtit
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import faulthandler
 import json
 import logging
@@ -25,15 +28,16 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from .distributed import DistEnv, StoreAddress, hang_reports_folder, recording_job_sockets
+if TYPE_CHECKING:  # distributed.py stands on this module: the sockets and flight records of a job
+    from .distributed import DistEnv, StoreAddress
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +58,105 @@ REPORTING_A_HANG = threading.Event()
 # The main thread's innermost frame in one of these means it waits for other ranks: in a collective, or in a
 # backward pass whose gradient all-reduce waits for them.
 WAITING_IN = ("torch/distributed/", "torch/autograd/", "torch/_tensor.py")
+
+
+def hang_reports_folder(env: DistEnv) -> Path:
+    """Where this run's hang reports go (NCCL's flight records), relative to where the job was started: a
+    folder per run id, so two jobs started from one folder keep each other's."""
+    return Path("hang-reports") / env.run_name
+
+
+def nccl_flight_recorder_settings(env: DistEnv) -> dict[str, str]:
+    """NCCL's flight recorder: each rank keeps its last 2000 collectives, and when one rank's collective times
+    out, every rank writes them to hang-reports/<run id>/nccl_trace_rank_<N>, for `python -m
+    torch.distributed.flight_recorder.fr_trace hang-reports/<run id>` to show which collective each rank
+    reached. That, not a Python stack, tells where NCCL ranks wait: their collectives return as soon as they
+    are queued. (TORCH_NCCL_TRACE_BUFFER_SIZE is the older name of TORCH_FR_BUFFER_SIZE.)"""
+    folder = hang_reports_folder(env).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    return {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_FR_DUMP_TEMP_FILE": str(folder / "nccl_trace_rank_")}
+
+
+# The job's own connections (its store, gloo's full mesh), for DataLoader workers to close: a forked
+# copy would keep a dead rank's connections open, so its peers would wait in a collective instead of failing.
+JOB_SOCKETS: set[tuple[int, int]] = set()  # (file descriptor, socket inode)
+
+
+def network_sockets() -> dict[int, int]:
+    """This process's open TCP/IP sockets: file descriptor -> socket inode (Linux; empty elsewhere)."""
+    found = {}
+    if os.path.isdir("/proc/self/fd"):
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError, ValueError):
+                probe = socket.socket(fileno=int(name))  # raises for anything that is not a socket
+                family = probe.family
+                probe.detach()  # looking must not close it
+                if family in (socket.AF_INET, socket.AF_INET6):
+                    found[int(name)] = os.fstat(int(name)).st_ino
+    return found
+
+
+@contextlib.contextmanager
+def recording_job_sockets() -> Iterator[None]:
+    """Around the creation of a store or process group: remember the sockets it opened."""
+    before = network_sockets()
+    yield
+    JOB_SOCKETS.update(network_sockets().items() - before.items())
+
+
+def close_job_sockets() -> None:
+    """In a forked child (a DataLoader worker): close its copies of the job's connections and listening
+    ports, checking each is still the same socket."""
+    for fd, inode in JOB_SOCKETS:
+        with contextlib.suppress(OSError):
+            if os.fstat(fd).st_ino == inode:
+                os.close(fd)
+
+
+def detach_from_job_signals(worker_id: int, training_process: int) -> None:
+    """DataLoader workers leave the training process's process group, so the SIGTERM or Ctrl-C that torchrun
+    (which signals its workers' groups) or a terminal sends the group does not reach them: the training
+    process decides when to stop, saves, and then shuts its workers down itself.
+
+    Slurm signals every process of a job step, workers included. So a worker obeys SIGTERM only from its
+    training process: that is how the DataLoader ends a worker that does not stop when asked, and Python's
+    exit ends daemonic children before joining them. A worker that ignored SIGTERM made every exit after an
+    error wait for torchrun's SIGKILL, 30 s later; one that obeyed every SIGTERM died under Slurm's
+    preemption signal, failing the step that was to be saved. `training_process` is passed in, not read with
+    os.getppid(): under the forkserver start method (Python 3.14's default on Linux) a worker's parent is the
+    forkserver.
+
+    A worker ends with the training process: torch's own check of its parent runs only between samples, so a
+    worker stuck in a dataset's __getitem__ outlived a training process that the watchdog had ended, in a
+    process group that torchrun no longer signals. Under fork, Linux's parent-death signal kills it even while
+    it holds the GIL; under forkserver the parent is the forkserver, which lives as long as its children do,
+    so a thread also watches the training process itself."""
+    os.setpgid(0, 0)
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    training_process_ended = watch_process(training_process)
+    signal.set_wakeup_fd(-1)  # the parent's watchdog pipe is not this process's
+    close_job_sockets()  # so a dead training process's ports refuse, and its peers' collectives fail, at once
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # held for the thread below, in every thread
+
+    def follow_the_training_process() -> None:
+        while True:
+            received = signal.sigtimedwait({signal.SIGTERM}, 1.0)
+            if (received and received.si_pid == training_process) or training_process_ended():
+                os._exit(0)  # as torch's own worker handler does: a requested exit, not a failure
+
+    threading.Thread(target=follow_the_training_process, daemon=True).start()
+
+
+def watch_process(pid: int) -> Callable[[], bool]:
+    """A check of whether process `pid` has ended: a pidfd on Linux (never fooled by a reused pid)."""
+    try:
+        handle = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # not Linux; or the process has already ended
+        return lambda: not os.path.exists(f"/proc/{pid}") if sys.platform == "linux" else False
+    return lambda: bool(select.select([handle], [], [], 0)[0])
 
 
 class Phase(NamedTuple):
