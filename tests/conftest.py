@@ -1,5 +1,5 @@
 """Fixtures (the baked projects, the shared reference run) and pytest hooks; the helpers the tests share are in
-helpers.py."""
+helpers/, by concern."""
 
 from __future__ import annotations
 

@@ -211,8 +211,7 @@ def test_on_nccl_the_hang_report_uses_torchs_flight_recorder(baked_train, tmp_pa
     # name the stopped rank; torch's flight recorder, dumped on every rank when one times out, can.
     import torch
     from ddp_training.distributed import DistEnv
-    from ddp_training.watchdog import nccl_flight_recorder_settings
-    from ddp_training.watchdog import hang_summary
+    from ddp_training.watchdog import hang_summary, nccl_flight_recorder_settings
 
     monkeypatch.chdir(tmp_path)
     job = DistEnv(run_id="job 1/a")  # two jobs started from one folder keep their own reports

@@ -1,0 +1,84 @@
+"""Reading and editing a baked project: its README's blocks, its task's tiny run, task code added, test data,
+its own tests, and train.py's main() in this process."""
+
+from __future__ import annotations
+
+import ast
+import logging
+import random
+import re
+import shutil
+import subprocess
+import threading
+import warnings
+from pathlib import Path
+
+from .environment import run
+
+
+def make_image_folder(root: Path, images_per_split: dict[str, int]) -> None:
+    """root/<split>/{cat,dog}/<n>.png: small noise images, so crops and flips change what the model sees."""
+    from PIL import Image
+
+    generator = random.Random(0)
+    for split, count in images_per_split.items():
+        for label in ("cat", "dog"):
+            folder = root / split / label
+            folder.mkdir(parents=True)
+            for index in range(count):
+                pixels = bytes(generator.randrange(256) for _ in range(24 * 20 * 3))
+                Image.frombytes("RGB", (24, 20), pixels).save(folder / f"{index}.png")
+
+
+def assert_project_tests_pass(project: Path) -> None:
+    """The baked project's own tests, run as its README says: all 3 pass (they train with task.py's
+    TASK.smoke_test_args, so this also checks the task's tiny run is learnable)."""
+    result = run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=project, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"\b3 passed\b", result.stdout), result.stdout
+
+
+def smoke_test_args(project: Path) -> list[str]:
+    """The baked project's task.py TASK.smoke_test_args, the tiny run its own tests train, read without importing
+    torch: a test that launches that run itself checks what those tests check for the price of its own launch."""
+    [task] = project.glob("*/task.py")
+    for node in ast.parse(task.read_text()).body:
+        if isinstance(node, ast.Assign) and [ast.unparse(target) for target in node.targets] == ["TASK"]:
+            for keyword in node.value.keywords:
+                if keyword.arg == "smoke_test_args":
+                    return ast.literal_eval(keyword.value)
+    raise AssertionError(f"{task} has no TASK = Task(..., smoke_test_args=[...])")
+
+
+def readme_block(project: Path, language: str, section: str = "## Make it yours") -> str:
+    """The first ```language block of a baked project's README after the heading `section`."""
+    text = (project / "README.md").read_text()
+    return re.search(rf"```{language}\n(.*?)```", text[text.index(section):], re.DOTALL)[1]
+
+
+def with_task_code(project: Path, folder: Path, code: str) -> Path:
+    """A copy of a baked project in `folder`, with `code` appended to its task.py (a user's edit: a model, a
+    hook that replaces the task's own)."""
+    copy = shutil.copytree(project, folder / "project")
+    [task] = copy.glob("*/task.py")
+    task.write_text(task.read_text() + code)
+    return copy
+
+
+def main_in_this_process(baked_train, args: list[str], capsys) -> subprocess.CompletedProcess:
+    """train.py's main(args) where it ends before training starts (--help, a usage error), as a finished
+    process: its exit status, stdout and stderr."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level  # main() points logging at this test's captured stderr
+    try:
+        with warnings.catch_warnings():  # torch's @record cannot enable faulthandler on captured stderr
+            warnings.filterwarnings("ignore", "Unable to enable fault handler")
+            baked_train.main(args)
+        status = 0  # torch's @record returns where SystemExit(0) was raised (argparse's --help)
+    except SystemExit as exit_status:
+        status = exit_status.code
+    finally:
+        root.handlers[:], root.level = handlers, level
+    assert "watchdog" not in [thread.name for thread in threading.enumerate()], "ended before train()"
+    output = capsys.readouterr()
+    return subprocess.CompletedProcess(args, status, output.out, output.err)
