@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 import tarfile
 import zipfile
 from pathlib import Path
@@ -43,6 +44,13 @@ CHOICES = [
     {"nproc_per_node": "auto"}, {"nproc_per_node": "gpu"}, {"nproc_per_node": "cpu"}, {"nproc_per_node": "8"},
     {"rdzv_port": "1"}, {"rdzv_port": "65535"}, {"max_restarts": "0"}, {"max_restarts": "10"},
 ]
+
+
+def test_the_generated_readmes_diffs_match_the_code_they_edit():
+    # The README's recipes are diffs of task.py, train.py, optim.py and checkpoint/common.py: regenerated from
+    # the template's sources by tools/readme_diffs.py, which this runs in --check mode.
+    result = run([sys.executable, "tools/readme_diffs.py", "--check"], cwd=TEMPLATE_ROOT, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_template_top_level_is_the_cards_layout():

@@ -4,7 +4,7 @@ Each recipe in the README ("Make it yours", "Editing the loop") is a diff that u
 tests apply them to a freshly baked project: a diff whose context no longer matches the code fails there. When
 task.py, train.py or checkpoint/common.py change, run
 
-    .venv/bin/python tools/readme_diffs.py
+    .venv/bin/python tools/readme_diffs.py           # --check: only say whether they are current (a test does)
 
 which bakes the default project, applies each recipe's edits below to its files and writes the resulting
 diffs into the README's ```diff blocks, in order. The edits are (old, new) replacements of whole lines.
@@ -326,7 +326,8 @@ def diff_of(project: Path, recipe: dict[str, list[tuple[str, str]]]) -> str:
     return text.replace(PACKAGE, "{{ cookiecutter.package_name }}")
 
 
-def main() -> None:
+def main(check: bool = "--check" in sys.argv) -> None:
+    """Write the diffs; with --check, only say whether the README holds them already (exit 1 if not)."""
     with tempfile.TemporaryDirectory() as folder:
         project = Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=folder))
         diffs = [diff_of(project, recipe) for recipe in RECIPES]
@@ -336,6 +337,11 @@ def main() -> None:
         sys.exit(f"{README}: {len(blocks)} diff blocks, {len(diffs)} recipes")
     for block, diff in reversed(list(zip(blocks, diffs, strict=True))):
         text = text[:block.start(1)] + diff + text[block.end(1):]
+    if check:
+        if text != README.read_text():
+            sys.exit(f"{README.relative_to(TEMPLATE)}: its diffs no longer match the template's code; run "
+                     "python tools/readme_diffs.py")
+        return
     README.write_text(text)
     print(f"{README.relative_to(TEMPLATE)}: {len(diffs)} diffs written")
 

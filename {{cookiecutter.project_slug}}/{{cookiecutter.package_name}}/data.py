@@ -70,12 +70,12 @@ class ResumableDistributedSampler(DistributedSampler):
     different number of ranks continues with exactly the samples the epoch has not seen yet.
     """
 
-    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int, samples_per_step: int):
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int, rank_samples_per_step: int):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
         self.start_sample = 0
-        # Per rank: batch size x micro-batches per step. An epoch ends on a whole optimizer step, so no
-        # half-accumulated gradient is left over (like drop_last, one level up).
-        self.samples_per_step = samples_per_step
+        # This rank's share of a step: batch size x micro-batches. An epoch ends on a whole optimizer step, so
+        # no half-accumulated gradient is left over (like drop_last, one level up).
+        self.rank_samples_per_step = rank_samples_per_step
 
     def set_epoch(self, epoch: int, start_sample: int = 0) -> None:
         super().set_epoch(epoch)
@@ -94,7 +94,7 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def __len__(self) -> int:
         remaining = math.ceil((len(self.dataset) - self.start_sample) / self.num_replicas)
-        return remaining - remaining % self.samples_per_step
+        return remaining - remaining % self.rank_samples_per_step
 
 
 def build_loaders(train_set: Dataset, eval_set: Dataset, options: TrainOptions, env: DistEnv,
@@ -106,7 +106,7 @@ def build_loaders(train_set: Dataset, eval_set: Dataset, options: TrainOptions, 
         Path(options.sample_log).mkdir(parents=True, exist_ok=True)
         train_set = SampleLoggingDataset(train_set, Path(options.sample_log) / f"rank-{env.rank}.txt")
     sampler = ResumableDistributedSampler(train_set, env.world_size, env.rank, seed=options.seed,
-                                          samples_per_step=options.batch_size * options.grad_accum)
+                                          rank_samples_per_step=options.batch_size * options.grad_accum)
     common = dict(batch_size=options.batch_size, num_workers=options.num_workers, collate_fn=collate,
                   pin_memory=device.type == "cuda", persistent_workers=options.num_workers > 0,
                   worker_init_fn=functools.partial(detach_from_job_signals, training_process=os.getpid()))

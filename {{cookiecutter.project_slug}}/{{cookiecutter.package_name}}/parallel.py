@@ -86,11 +86,11 @@ def holds_batchnorm(group: nn.Module) -> bool:
 
 
 def shardable_blocks(model: nn.Module) -> list[nn.Module]:
-    """The units to shard: what the model's sharding_units() returns if it has one (the GPT of the language
+    """The blocks to shard: what the model's shardable_blocks() returns if it has one (the GPT of the language
     model task: its transformer blocks), else the members of its top-level Sequentials (ResNet's residual
     blocks, a ViT's encoder layers, small_cnn's blocks) and its other top-level children."""
-    if hasattr(model, "sharding_units"):
-        return list(model.sharding_units())
+    if hasattr(model, "shardable_blocks"):
+        return list(model.shardable_blocks())
     blocks = []
     for child in model.children():
         members = list(child.children()) if isinstance(child, nn.Sequential) else [child]

@@ -413,7 +413,7 @@ class GPT(nn.Module):
                 std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("proj.weight", "mlp.2.weight")) else 0.02
                 nn.init.normal_(parameter, mean=0.0, std=std)
 
-    def sharding_units(self) -> list[nn.Module]:
+    def shardable_blocks(self) -> list[nn.Module]:
         """FSDP2 shards one group per transformer block (parallel.py); the rest goes with the root."""
         return list(self.blocks)
 
