@@ -177,7 +177,7 @@ def test_a_failed_download_stops_every_rank_instead_of_hanging(default_project, 
                                                      ckpt_dir=tmp_path / "ckpt")], via="run_node.sh", timeout=120)
     assert result.returncode != 0
     # The failing node's message reaches every rank, and rank 0 prints it once for the job (issue 12).
-    assert result.stderr.count("error: downloading CIFAR-10") == 1, result.stderr
+    assert result.stderr.count("error: preparing --data cifar10 in ") == 1, result.stderr
     assert "failed on node 0: [Errno 20] Not a directory" in result.stderr
 
 
