@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import importlib
 import importlib.util
+import resource
 import shutil
 import sys
 from pathlib import Path
@@ -27,6 +28,46 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         markers = ("starts_first", "xdist_group", "slow")
         return next((rank for rank, name in enumerate(markers) if item.get_closest_marker(name)), len(markers))
     items.sort(key=order)  # stable: within a rank, the order of the files
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--cpu-top", type=int, default=15, metavar="N",
+                     help="list the N tests that cost the most CPU-seconds (their processes' user + sys)")
+
+
+def _cpu_seconds() -> float:
+    """This process's CPU time and that of every descendant it waited for (torchrun and its ranks)."""
+    return sum(usage.ru_utime + usage.ru_stime
+               for usage in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Charge each test the CPU-seconds of its setup, call and teardown (the suite's budget is CPU, not wall
+    clock on a shared machine); the teardown's report carries the figure, also from an xdist worker."""
+    started = _cpu_seconds()
+    item.user_properties.append(("cpu_started", started))
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    if call.when == "teardown":
+        started = dict(item.user_properties)["cpu_started"]
+        report.user_properties.append(("cpu_seconds", _cpu_seconds() - started))
+    return report
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    costs = [(dict(report.user_properties)["cpu_seconds"], report.nodeid)
+             for reports in terminalreporter.stats.values() for report in reports
+             if getattr(report, "when", None) == "teardown" and "cpu_seconds" in dict(report.user_properties)]
+    if not costs or config.option.cpu_top <= 0:
+        return
+    terminalreporter.section(f"CPU-seconds: {sum(c for c, _ in costs):.0f} in {len(costs)} tests; the most costly")
+    for seconds, nodeid in sorted(costs, reverse=True)[:config.option.cpu_top]:
+        terminalreporter.write_line(f"{seconds:8.1f}  {nodeid}")
 
 
 @pytest.fixture(scope="session")
