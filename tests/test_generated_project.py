@@ -156,7 +156,8 @@ def test_run_node_refuses_a_launch_that_cannot_work(default_project, environment
 @pytest.mark.slow
 def test_preflight_passes_on_two_local_ranks(default_project):
     result = run_job(default_project, ["--preflight", "--device", "cpu", "--megabytes", "4"], via="run_node.sh")
-    assert result.returncode == 0, result.stdout + result.stderr
+    # Its DDP model, freed at exit after the group was destroyed, aborted about 4 runs in 10 at exit (SIGABRT).
+    assert result.returncode == 0 and "terminate called" not in result.stderr, result.stdout + result.stderr
     for check in ("rank map", "devices", "all-reduce result", "all-reduce bandwidth", "training steps"):
         assert f"preflight PASS {check}: " in result.stdout, result.stdout
     assert "all-reduce result: sum over ranks = 3, expected 3" in result.stdout

@@ -9,6 +9,7 @@ checkpoint/sharded.py hands FSDP2's shards to torch.distributed.checkpoint.
 from __future__ import annotations
 
 import contextlib
+import gc
 import ipaddress
 import logging
 import os
@@ -181,6 +182,10 @@ def distributed_session(env: DistEnv, device: torch.device,
         yield address
     finally:
         if dist.is_initialized():
+            # A DDP model caught in a reference cycle is freed by the cycle collector, possibly only at
+            # interpreter exit, after the group it holds was destroyed: gloo's threads then abort the process
+            # ("terminate called without an active exception", SIGABRT after a job that succeeded).
+            gc.collect()
             dist.destroy_process_group()
 
 
