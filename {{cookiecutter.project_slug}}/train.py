@@ -86,15 +86,17 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     optimizer = as_one_optimizer(task.build_optimizer(model, options))
     samples_per_step = options.batch_size * options.grad_accum * env.world_size  # all ranks together
     # Over samples seen, not steps: a job resumed on another number of ranks continues the same curve.
-    lr_schedule = LearningRateSchedule(optimizer, options, len(train_set), samples_per_step)
+    lr_schedule = LearningRateSchedule(optimizer, options, train_loader.samples_per_epoch, samples_per_step)
+    # A streamed training set's position is the job's, not a step count: it is saved with the rest.
+    stream = {"stream_position": train_loader} if train_loader.streamed else {}
     checkpointer = build_checkpointer(options, env, device, model=model, optimizer=optimizer,
-                                      lr_schedule=lr_schedule, grad_scaler=amp)
+                                      lr_schedule=lr_schedule, grad_scaler=amp, **stream)
     progress = checkpointer.resume()
     first_step = progress.step + 1  # of this run
     if options.eval_every:  # one held-out batch now, so a bug in the evaluation path shows before training
         with watchdog.slow_phase("checking evaluation on one batch"):
             evaluate(model, eval_loader, device, amp, task, max_batches=1)
-    meter = build_meter(options, env, device, planned_steps(options, len(train_loader) // options.grad_accum),
+    meter = build_meter(options, env, device, planned_steps(options, train_loader.steps_per_epoch),
                         done_steps=progress.step, unit=task.throughput_unit,
                         flops_per_unit=task.model_flops_per_unit(model, options),
                         changed_options=checkpointer.changed_options)
@@ -112,8 +114,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
             progress.evaluation_due = False
         if progress.finished(options.epochs, options.max_steps):
             break
-        # Mid-epoch resume: skip exactly the samples this epoch has already trained on.
-        train_loader.sampler.set_epoch(progress.epoch, start_sample=progress.samples_in_epoch)
+        train_loader.start_epoch(progress.epoch, progress.samples_in_epoch)  # mid-epoch: at the next unseen sample
         for micro_step, batch in enumerate(meter.timed(train_loader), start=1):
             batch = to_device(batch, device, channels_last)  # whatever task.collate made: tuple, dict, ...
             last_micro_batch = micro_step % options.grad_accum == 0  # of this optimizer step

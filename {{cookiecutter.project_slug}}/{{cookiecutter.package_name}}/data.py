@@ -1,5 +1,6 @@
-"""Loaders for any task's datasets (task.py builds them): sharded across ranks by a resumable sampler, with
-per-sample seeded augmentation, and batches moved to the device."""
+"""Loaders for any task's datasets (task.py builds them): a map-style training set sharded across ranks by a
+resumable sampler, with per-sample seeded augmentation, or a streamed one (streaming.py); batches moved to the
+device."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 from .distributed import DistEnv
 from .errors import UsageError
 from .options import TrainOptions
+from .streaming import StreamedDataset, StreamLoader
 from .watchdog import detach_from_job_signals
 
 
@@ -97,28 +99,58 @@ class ResumableDistributedSampler(DistributedSampler):
         return remaining - remaining % self.rank_samples_per_step
 
 
-def build_loaders(train_set: Dataset, eval_set: Dataset, options: TrainOptions, env: DistEnv,
-                  device: torch.device, collate: Callable[[list], Any]) -> tuple[DataLoader, DataLoader]:
-    """The training loader (resumable sharding, per-sample seeds) and the held-out one (each rank a disjoint
-    shard, no padding); `collate` (task.py's) makes a list of samples one batch."""
-    train_set = SeededSampleDataset(train_set, options.seed)
+class ShardedLoader(DataLoader):
+    """The training DataLoader of a map-style set; like StreamLoader, it knows where an epoch starts."""
+
+    streamed = False  # its position is TrainingProgress's sample count: nothing more to save
+
+    def start_epoch(self, epoch: int, samples_in_epoch: int) -> None:
+        """Mid-epoch resume: skip exactly the samples this epoch has already trained on, on any world size."""
+        self.sampler.set_epoch(epoch, start_sample=samples_in_epoch)
+
+    @property
+    def samples_per_epoch(self) -> int:  # all ranks together: what the lr schedule spans, times --epochs
+        return len(self.dataset)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self) * self.batch_size // self.sampler.rank_samples_per_step  # batches / --grad-accum
+
+
+def build_loaders(train_set: Dataset | StreamedDataset, eval_set: Dataset, options: TrainOptions, env: DistEnv,
+                  device: torch.device, collate: Callable[[list], Any]
+                  ) -> tuple[ShardedLoader | StreamLoader, DataLoader]:
+    """The training loader (resumable sharding, per-sample seeds; or a stream's) and the held-out one (each
+    rank a disjoint shard, no padding); `collate` (task.py's) makes a list of samples one batch."""
+    sample_log = None
     if options.sample_log:
         Path(options.sample_log).mkdir(parents=True, exist_ok=True)
-        train_set = SampleLoggingDataset(train_set, Path(options.sample_log) / f"rank-{env.rank}.txt")
-    sampler = ResumableDistributedSampler(train_set, env.world_size, env.rank, seed=options.seed,
-                                          rank_samples_per_step=options.batch_size * options.grad_accum)
+        sample_log = Path(options.sample_log) / f"rank-{env.rank}.txt"
     common = dict(batch_size=options.batch_size, num_workers=options.num_workers, collate_fn=collate,
                   pin_memory=device.type == "cuda", persistent_workers=options.num_workers > 0,
                   worker_init_fn=functools.partial(detach_from_job_signals, training_process=os.getpid()))
-    # drop_last keeps every step's batch the same size on every rank. A generator of its own: otherwise each
-    # new epoch's iterator draws a seed from the global RNG, and a resumed run (restored RNG, one more
-    # iterator) would continue with other random numbers than the uninterrupted one (e.g. dropout masks).
-    train_loader = DataLoader(train_set, sampler=sampler, drop_last=True,
-                              generator=torch.Generator().manual_seed(options.seed), **common)
     # Evaluation shards without padding, so sums and counts over ranks count every sample exactly once.
     eval_shard = Subset(eval_set, range(env.rank, len(eval_set), env.world_size))
     eval_loader = DataLoader(eval_shard, shuffle=False, generator=torch.Generator().manual_seed(options.seed),
                              **common)
+    if isinstance(train_set, StreamedDataset):
+        if options.max_steps is None:
+            raise UsageError("a streamed training set has no length known before it is read, so the lr schedule "
+                             "cannot span --epochs; give --max-steps, the steps it spans")
+        return StreamLoader(train_set, env, batch_size=options.batch_size, grad_accum=options.grad_accum,
+                            num_workers=options.num_workers, seed=options.seed, collate=collate,
+                            pin_memory=common["pin_memory"], worker_init_fn=common["worker_init_fn"],
+                            sample_log=sample_log), eval_loader
+    train_set = SeededSampleDataset(train_set, options.seed)
+    if sample_log is not None:
+        train_set = SampleLoggingDataset(train_set, sample_log)
+    sampler = ResumableDistributedSampler(train_set, env.world_size, env.rank, seed=options.seed,
+                                          rank_samples_per_step=options.batch_size * options.grad_accum)
+    # drop_last keeps every step's batch the same size on every rank. A generator of its own: otherwise each
+    # new epoch's iterator draws a seed from the global RNG, and a resumed run (restored RNG, one more
+    # iterator) would continue with other random numbers than the uninterrupted one (e.g. dropout masks).
+    train_loader = ShardedLoader(train_set, sampler=sampler, drop_last=True,
+                                 generator=torch.Generator().manual_seed(options.seed), **common)
     if len(train_loader) == 0:
         raise UsageError(
             f"the training set ({len(train_set)} samples) gives no full step of {options.grad_accum} x "

@@ -135,8 +135,11 @@ def warmup_then_decay(samples_seen: int, warmup_samples: int, total_samples: int
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def planned_steps(options: TrainOptions, steps_per_epoch: int) -> int:
-    """Optimizer steps this run will take at this world size: --epochs worth, or --max-steps if that comes first."""
+def planned_steps(options: TrainOptions, steps_per_epoch: int | None) -> int:
+    """Optimizer steps this run will take at this world size: --epochs worth, or --max-steps if that comes first
+    (a streamed training set's epoch has no length known before it is read: --max-steps)."""
+    if steps_per_epoch is None:
+        return options.max_steps
     total_steps = options.epochs * steps_per_epoch
     return total_steps if options.max_steps is None else min(total_steps, options.max_steps)
 
@@ -151,16 +154,22 @@ class LearningRateSchedule:
     that step is done, the same at any world size. The decay spans --epochs; --max-steps only stops early, so
     a run stopped by it and restarted with a larger one continues the same curve.
 
+    A streamed training set's epoch has no length known before it is read: there the decay spans --max-steps
+    steps of the world size the run started with, saved as samples (so a resize changes nothing) and planned
+    anew only when --max-steps itself changes.
+
     Saved in checkpoints: the warmup's length in samples. --warmup-steps counts steps of the world size the run
     started with; a resume on another one keeps the warmup it started, unless --warmup-steps itself changed.
     The peak lr is not restored: it is what task.py's optimizer was built with in this run (--lr)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, options: TrainOptions, samples_per_epoch: int,
+    def __init__(self, optimizer: torch.optim.Optimizer, options: TrainOptions, samples_per_epoch: int | None,
                  samples_per_step: int):
         self.optimizer = optimizer
         self.peaks = [group["lr"] for group in optimizer.param_groups]
         self.decay = options.lr_schedule
-        self.total_samples = options.epochs * samples_per_epoch
+        self.spans_steps = None if samples_per_epoch is not None else options.max_steps
+        self.total_samples = (options.epochs * samples_per_epoch if samples_per_epoch is not None
+                              else options.max_steps * samples_per_step)
         self.warmup_steps = options.warmup_steps
         self.warmup_samples = (self.total_samples // 20 if options.warmup_steps is None
                                else options.warmup_steps * samples_per_step)
@@ -174,8 +183,13 @@ class LearningRateSchedule:
         return self.peaks[0] * multiplier
 
     def state_dict(self) -> dict:
-        return {"warmup_steps": self.warmup_steps, "warmup_samples": self.warmup_samples}
+        state = {"warmup_steps": self.warmup_steps, "warmup_samples": self.warmup_samples}
+        if self.spans_steps is not None:  # a stream's: --max-steps, in samples
+            state |= {"spans_steps": self.spans_steps, "total_samples": self.total_samples}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("warmup_steps", "not saved") == self.warmup_steps:
             self.warmup_samples = state["warmup_samples"]
+        if self.spans_steps is not None and state.get("spans_steps") == self.spans_steps:
+            self.total_samples = state["total_samples"]

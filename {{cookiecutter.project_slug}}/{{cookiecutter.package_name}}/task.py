@@ -59,12 +59,15 @@ and evaluation adds up evaluation_sums(model, batch) over the held-out split, th
 
 Here: a decoder-only transformer (GPT) learns to predict the next token. Text is read as bytes (a vocabulary
 of 256, nothing to download); for large corpora, tokenize once into nanoGPT's format, uint16 token ids in
---data-dir/train.bin and val.bin, and train with --data tokens.
+--data-dir/train.bin and val.bin, and train with --data tokens; or stream the raw text of jsonl, text or
+parquet shards with --data stream --data-files 'corpus/*.jsonl', tokenized as it is read.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,6 +80,7 @@ from torch.utils.data import Dataset
 from .errors import UsageError
 from .options import TrainOptions, option
 from .spec import Task
+from .streaming import StreamedDataset, check_first_records, expand_files, file_pieces, read_documents
 
 
 @dataclass
@@ -88,8 +92,15 @@ class TaskOptions:
     data: str = option(
         "fake", "a dataset in task.py's TASK: fake (generated sentences, learnable), text (bytes of "
         "--data-dir/train.txt and val.txt, or of input.txt split 90/10), tokens (nanoGPT's uint16 "
-        "--data-dir/train.bin and val.bin)")
+        "--data-dir/train.bin and val.bin), stream (the raw text of --data-files, read as a stream)")
     data_dir: str = option("data", "the folder with the text corpus or the token files")
+    data_files: str = option(
+        "", "for --data stream: a glob of the training corpus's files (quoted): .jsonl (a 'text' field per line), "
+        ".txt (each file one document) or .parquet (a 'text' column)", fixed=True)
+    eval_files: str = option("", "for --data stream: a glob of the held-out files, read whole (keep them small)")
+    piece_mb: float = option(
+        16, "for --data stream: ranks and loader workers are dealt the corpus in pieces of about this many MB "
+        "(a parquet row group is one piece)", fixed=True)
     fake_samples: int = option(2048, "sequences in the fake training set (the held-out set is a quarter of it)")
     model: str = option("gpt", "a model in task.py's TASK: gpt (a decoder-only transformer)", fixed=True)
     block_size: int = option(128, "context length in tokens; a training sample is one block", fixed=True)
@@ -353,9 +364,45 @@ def token_files(options: TrainOptions) -> tuple[Dataset, Dataset]:
     return TokenBlocks(root / "train.bin", block_size), TokenBlocks(root / "val.bin", block_size)
 
 
+END_OF_TEXT = 256  # streamed bytes: the token after each document, one past the byte values
+
+
+def text_windows(piece: tuple, block_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The samples of a piece of a streamed corpus: its documents as bytes, each followed by END_OF_TEXT, packed
+    into windows of block_size + 1 tokens (input, and target shifted by one), which overlap by one token as
+    TokenBlocks' blocks do. A document's rest runs on into the next window; the piece's last tokens, short of
+    a window, are dropped. The same piece gives the same windows every time (a resume counts on it)."""
+    window = block_size + 1
+    pending, pending_length = [], 0
+    for text, ends_document in read_documents(piece):
+        tokens = np.frombuffer(text.encode(), dtype=np.uint8).astype(np.int64)
+        pending += [tokens, np.array([END_OF_TEXT])] if ends_document else [tokens]
+        pending_length += len(tokens) + ends_document
+        if pending_length < window:
+            continue
+        buffer, start = np.concatenate(pending), 0
+        while len(buffer) - start >= window:
+            block = torch.from_numpy(buffer[start:start + window].copy())
+            yield block[:-1], block[1:]
+            start += block_size
+        pending, pending_length = [buffer[start:]], len(buffer) - start
+
+
+def streamed_text(options: TrainOptions) -> tuple[StreamedDataset, Dataset]:
+    """--data-files as a stream (nothing read until training starts); --eval-files read whole."""
+    task = options.task
+    read = functools.partial(text_windows, block_size=task.block_size)
+    pieces = file_pieces(expand_files(task.data_files, "--data-files"), int(task.piece_mb * 2**20))
+    held_out = [window for piece in file_pieces(expand_files(task.eval_files, "--eval-files"), 2**62)
+                for window in read(piece)] if task.eval_files else []
+    return StreamedDataset(pieces, read), held_out
+
+
 def vocab_size(options: TrainOptions) -> int:
     if options.task.vocab_size is not None:
         return options.task.vocab_size
+    if options.task.data == "stream":
+        return END_OF_TEXT + 1
     return 50304 if options.task.data == "tokens" else 256  # GPT-2's 50257, padded to a multiple of 64
 
 
@@ -498,13 +545,25 @@ def check_options(options: TrainOptions) -> None:
         text_files(task.data_dir)
     if task.data == "tokens":
         check_token_files(Path(task.data_dir))
+    if task.data == "stream":
+        if options.max_steps is None:
+            raise UsageError("--data stream has no length known before it is read, so the lr schedule cannot span "
+                             "--epochs; give --max-steps, the steps it spans")
+        if task.piece_mb <= 0:
+            raise UsageError(f"--piece-mb must be > 0, got {task.piece_mb}")
+        check_first_records(expand_files(task.data_files or "(none given)", "--data-files"))
+        if task.eval_files:
+            check_first_records(expand_files(task.eval_files, "--eval-files"))
+        elif options.eval_every:
+            raise UsageError("--data stream evaluates on --eval-files (a small held-out set, read whole); give "
+                             "them, or --eval-every 0")
 
 
 # ---- what the package calls --------------------------------------------------------------------------------
 
 TASK = Task(
     options=TaskOptions,
-    datasets={"fake": fake_text, "text": text, "tokens": token_files},
+    datasets={"fake": fake_text, "text": text, "tokens": token_files, "stream": streamed_text},
     models={"gpt": gpt},
     build_optimizer=build_optimizer,
     compute_loss=compute_loss,

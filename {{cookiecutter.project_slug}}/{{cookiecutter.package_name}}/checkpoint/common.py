@@ -196,6 +196,9 @@ class Checkpointer:
         self.last_saved_step = progress.step
         started = time.perf_counter()
         check_replicas_match(self.components["model"], progress.step)  # never save one rank's model of several
+        for component in self.components.values():  # state spread over ranks (a stream's position), on all ranks
+            if hasattr(component, "gather_from_ranks"):
+                component.gather_from_ranks()
         sync_buffers_from_main(self.components["model"])  # one canonical copy of BatchNorm statistics
         written = self.write(progress)
         if written is not None:

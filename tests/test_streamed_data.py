@@ -1,0 +1,191 @@
+"""task=language_model with --data stream, with numbers: a corpus of uneven jsonl, text and parquet shards read
+as a stream by 2 ranks x 2 loader workers; the epoch ends at the same step on every rank; kill -9 resumes at the
+exact window (bitwise); resized 1 -> 2 ranks -> 1 mid-epoch, no window is trained on twice or skipped; bad
+input is one line."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import (
+    assert_bitwise_equal,
+    checkpoint,
+    flags,
+    kill_a_worker_and_finish,
+    main_in_this_process,
+    run_job,
+    start_job,
+)
+
+pytestmark = pytest.mark.xdist_group("streamed_data")  # one worker: the reference run is made once
+
+BLOCK = 32
+# 2 ranks x 2 loader workers, batches of 4 windows; small enough to run 100 steps in seconds.
+TINY_STREAM = dict(data="stream", block_size=BLOCK, n_layer=2, n_head=2, n_embd=32, batch_size=4, device="cpu",
+                   lr=1e-2, warmup_steps=2, log_every=5, ckpt_every=5, keep_checkpoints=100)
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta"]
+
+
+def documents(count: int, seed: int) -> list[str]:
+    generator = np.random.default_rng(seed)
+    return [" ".join(f"{WORDS[generator.integers(6)]} {WORDS[generator.integers(6)]}."
+                     for _ in range(generator.integers(2, 30))) for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """Six shards of very different sizes, in every format the stream reads."""
+    import pyarrow
+    import pyarrow.parquet
+
+    folder = tmp_path_factory.mktemp("corpus")
+    for shard, count in enumerate([40, 8, 70, 25]):
+        with open(folder / f"train-{shard}.jsonl", "w") as file:
+            file.writelines(json.dumps({"id": index, "text": text}) + "\n"
+                            for index, text in enumerate(documents(count, seed=shard)))
+    (folder / "train-4.txt").write_text("\n".join(documents(30, seed=4)) + "\n")
+    table = pyarrow.table({"text": documents(50, seed=5)})
+    pyarrow.parquet.write_table(table, folder / "train-5.parquet", row_group_size=20)  # 3 row groups: 3 pieces
+    (folder / "held-out").mkdir()
+    with open(folder / "held-out" / "val.jsonl", "w") as file:
+        file.writelines(json.dumps({"text": text}) + "\n" for text in documents(12, seed=9))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def stream_project(bake) -> Path:
+    return bake(task="language_model", project_name="Streamed LM")
+
+
+def stream_args(corpus: Path, **options: object) -> list[str]:
+    return flags(**TINY_STREAM, data_files=corpus / "train-*", eval_files=corpus / "held-out" / "*.jsonl",
+                 **options)
+
+
+def trained_windows(sample_log: Path, epoch: int = 0) -> Counter:
+    """How often each window (piece:index) of `epoch` was trained on, over every rank's log."""
+    lines = [line for path in sample_log.glob("rank-*.txt") for line in path.read_text().split()]
+    return Counter(line.split(":", 1)[1] for line in lines if line.startswith(f"{epoch}:"))
+
+
+def every_window(project: Path, corpus: Path) -> set[str]:
+    """The corpus's windows as the baked task cuts them, read here in one process."""
+    sys.path.insert(0, str(project))
+    try:
+        task, streaming = (importlib.import_module(f"streamed_lm.{name}") for name in ("task", "streaming"))
+        pieces = streaming.file_pieces(streaming.expand_files(str(corpus / "train-*"), "--data-files"), 16 * 2**20)
+        return {f"{number}:{index}" for number, piece in enumerate(pieces)
+                for index, _ in enumerate(task.text_windows(piece, BLOCK))}
+    finally:
+        sys.path.remove(str(project))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(stream_project, corpus, tmp_path_factory) -> tuple[Path, str, Path]:
+    folder = tmp_path_factory.mktemp("stream-uninterrupted")
+    result = run_job(stream_project, stream_args(corpus, num_workers=2, max_steps=100, ckpt_dir=folder / "ckpt",
+                                                 sample_log=folder / "samples"))
+    assert result.returncode == 0, result.stderr[-4000:]
+    return folder / "ckpt", result.stderr, folder / "samples"
+
+
+@pytest.mark.slow
+def test_a_streamed_corpus_trains_ends_each_epoch_together_and_resumes_bitwise_after_kill_9(
+        stream_project, corpus, uninterrupted, tmp_path):
+    reference, output, samples = uninterrupted
+    losses = {int(step): float(loss) for step, loss in re.findall(r"step (\d+) \| epoch \d+ \| loss ([\d.]+)", output)}
+    assert losses[100] < 0.6 * losses[5], losses
+    # Epoch 0 ended on both ranks at one step (else a rank would have waited in a collective), and epoch 1 began.
+    epochs = {int(step): int(epoch) for step, epoch in re.findall(r"step (\d+) \| epoch (\d+) \| loss", output)}
+    assert epochs[5] == 0 and epochs[100] == 1, epochs
+    per_rank = [sum(1 for line in path.read_text().split() if line.startswith("0:"))
+                for path in sorted(samples.glob("rank-*.txt"))]
+    assert len(per_rank) == 2 and per_rank[0] == per_rank[1] > 0, per_rank
+    seen = trained_windows(samples)
+    assert max(seen.values()) == 1, "a window trained on twice in one epoch"
+    assert seen.keys() <= every_window(stream_project, corpus)
+    assert re.search(r"step 100 \| epoch 1 \| eval loss [\d.]+ \| perplexity [\d.]+ on \d+ held-out tokens", output)
+
+    launcher = start_job(stream_project, stream_args(corpus, num_workers=2, max_steps=100, ckpt_dir=tmp_path),
+                         max_restarts=1)
+    kill_a_worker_and_finish(launcher, tmp_path / "step-15.pt")  # an odd step: the other worker next
+    final = checkpoint(tmp_path, 100)
+    assert_bitwise_equal(final, checkpoint(reference, 100))  # model, optimizer, RNG
+    assert final["stream_position"] == checkpoint(reference, 100)["stream_position"]
+
+
+@pytest.mark.slow
+def test_a_stream_resized_mid_epoch_trains_on_no_window_twice_and_skips_none(stream_project, corpus, tmp_path):
+    # 1 rank, 1 stream -> 2 ranks x 2 loader workers, 4 streams (FSDP2: the position in a DCP folder) -> 1 rank
+    # to the epoch's end. One stream at the end: only its last partial batch (< 4 windows) is left untrained.
+    common = dict(strategy="fsdp2", epochs=1, ckpt_dir=tmp_path / "ckpt", eval_every=0)
+    phases = [(1, 0, 10), (2, 2, 20), (1, 0, 1000)]
+    for number, (nproc, workers, max_steps) in enumerate(phases):
+        result = run_job(stream_project, stream_args(corpus, num_workers=workers, max_steps=max_steps,
+                                                     sample_log=tmp_path / f"samples-{number}", **common),
+                         nproc=nproc, via="torchrun")
+        assert result.returncode == 0, result.stderr[-4000:]
+        if number:
+            streams = [1, 4][number - 1]
+            assert f"the rest of {streams} streams dealt anew to {[4, 1][number - 1]}" in result.stderr, result.stderr
+    seen = sum((trained_windows(tmp_path / f"samples-{number}") for number in range(3)), Counter())
+    assert max(seen.values()) == 1, [window for window, times in seen.items() if times > 1][:5]
+    missing = every_window(stream_project, corpus) - seen.keys()
+    assert len(missing) < 4, sorted(missing)
+
+
+def stream_train(stream_project):
+    spec = importlib.util.spec_from_file_location("streamed_train", stream_project / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(stream_project))
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bad_stream_input_is_one_line(stream_project, corpus, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(stream_project)
+    train = stream_train(stream_project)
+    (tmp_path / "empty.jsonl").touch()
+    (tmp_path / "no-text.jsonl").write_text('{"body": "a document"}\n')
+    (tmp_path / "not-json.jsonl").write_text("a document\n")
+    cases = [
+        ({"data_files": tmp_path / "nothing-*.jsonl"}, f"error: --data-files '{tmp_path}/nothing-*.jsonl' matches no "
+                                                       "file; give a glob such as"),
+        ({"data_files": tmp_path / "empty.jsonl"}, f"error: {tmp_path}/empty.jsonl is empty; remove it"),
+        ({"data_files": tmp_path / "no-text.jsonl"}, f"error: {tmp_path}/no-text.jsonl: the line at byte 0 has no "
+                                                     "'text' field"),
+        ({"data_files": tmp_path / "not-json.jsonl"}, f"error: {tmp_path}/not-json.jsonl: a line at byte 0 is not "
+                                                      "JSON"),
+        ({"max_steps": None}, "error: --data stream has no length known before it is read"),
+        ({"eval_files": None}, "error: --data stream evaluates on --eval-files"),
+    ]
+    for changes, expected in cases:
+        options = {"data_files": corpus / "train-*", "eval_files": corpus / "held-out" / "*.jsonl", "max_steps": 10,
+                   **changes}
+        args = flags(**{**TINY_STREAM, **options, "ckpt_dir": tmp_path / "ckpt"})
+        result = main_in_this_process(train, args, capsys)
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+        assert result.returncode == 1 and len(errors) == 1 and errors[0].startswith(expected), (expected, result.stderr)
+
+
+def test_fewer_pieces_than_streams_is_refused_with_what_to_do(stream_project, corpus):
+    sys.path.insert(0, str(stream_project))
+    try:
+        streaming = importlib.import_module("streamed_lm.streaming")
+        distributed = importlib.import_module("streamed_lm.distributed")
+        errors = importlib.import_module("streamed_lm.errors")
+    finally:
+        sys.path.remove(str(stream_project))
+    dataset = streaming.StreamedDataset(pieces=[("a", 0, 1)] * 7, read=lambda piece: iter(()))
+    loader = streaming.StreamLoader(dataset, distributed.DistEnv(rank=1, world_size=2), batch_size=4, grad_accum=1,
+                                    num_workers=4, seed=0, collate=list, pin_memory=False, worker_init_fn=None,
+                                    sample_log=None)
+    with pytest.raises(errors.UsageError, match="has 7 pieces, fewer than 2 ranks x 4 loader workers"):
+        loader.start_epoch(0, 0)

@@ -1,0 +1,317 @@
+"""Training sets read as streams, for corpora too large to index (jsonl, text or parquet shards): a task's builder
+returns a StreamedDataset, and StreamLoader reads it on every rank and loader worker without overlap, ends an
+epoch at the same step on every rank, and saves where the epoch stands, so that a resume continues at the exact
+sample, on the same or another number of ranks.
+
+The corpus is cut into pieces known without reading them: byte ranges of jsonl and text files (a line belongs
+to the piece it starts in), row groups of parquet files. An epoch deals its pieces, in an order drawn from
+--seed and the epoch, to streams, one per (rank, loader worker); a stream reads its pieces in turn, and each
+sample it yields is named (piece, index within the piece). The training process counts what it has consumed,
+not what the workers have read ahead, so a checkpoint holds exactly the samples of the steps taken: for every
+stream, the pieces it has left and how far into the first of them it stands. A resume on the same number of
+ranks and workers gives every stream its own rest (bitwise the uninterrupted run); on another number, the rests
+are dealt anew (partly read pieces first), so no sample is trained on twice or skipped. A resume reads again only
+the start of each partly read piece, up to where it stood.
+
+Why not torchdata's StatefulDataLoader or a Hugging Face streaming dataset: they save each rank's state, which a
+job resumed on another world size cannot use (pytorch/torchtitan#291); here the position is the job's.
+"""
+
+from __future__ import annotations
+
+import glob
+import itertools
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from .distributed import DistEnv
+from .errors import UsageError
+from .watchdog import recording_job_sockets
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StreamedDataset:
+    """What a task's builder returns for a streamed training set: `pieces`, picklable descriptions of the corpus's
+    parts (file_pieces makes them for files), and `read(piece)`, which yields that piece's samples in the same
+    order every time it is called. `read` runs in loader workers: a module-level function (or a
+    functools.partial of one) that keeps no state between calls."""
+
+    pieces: list
+    read: Callable[[Any], Iterable[Any]]
+
+
+# ---- pieces of files ---------------------------------------------------------------------------------------
+
+SUFFIXES = (".jsonl", ".txt", ".parquet")
+
+
+def expand_files(pattern: str, flag: str) -> list[str]:
+    """The files a glob names, sorted (the same list on every rank), or one line saying what is wrong."""
+    paths = sorted(path for path in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(path))
+    if not paths:
+        raise UsageError(f"{flag} {pattern!r} matches no file; give a glob such as 'corpus/*.jsonl' (quoted, so "
+                         "the shell leaves it to train.py)")
+    odd = [path for path in paths if not path.endswith(SUFFIXES)]
+    if odd:
+        raise UsageError(f"{flag} {pattern!r} matches {odd[0]}, which is not {', '.join(SUFFIXES)}; narrow the glob")
+    return paths
+
+
+def file_pieces(paths: list[str], piece_bytes: int) -> list[tuple[str, int, int]]:
+    """(path, start, end) byte ranges of about `piece_bytes` for jsonl and text files; (path, row group, -1) for
+    parquet. Known from file sizes and parquet footers alone, so every rank lists the same pieces at once."""
+    pieces = []
+    for path in paths:
+        if path.endswith(".parquet"):
+            pieces += [(path, group, -1) for group in range(parquet_file(path).num_row_groups)]
+            continue
+        size = os.path.getsize(path)
+        if size == 0:
+            raise UsageError(f"{path} is empty; remove it from the corpus")
+        pieces += [(path, start, min(start + piece_bytes, size)) for start in range(0, size, piece_bytes)]
+    return pieces
+
+
+def check_first_records(paths: list[str], field: str = "text") -> None:
+    """Before any process group starts: each file's first record has `field` (a parquet file: its schema), so
+    that a wrong corpus is one line here rather than an error inside a loader worker."""
+    for path in paths:
+        if os.path.getsize(path) == 0:
+            raise UsageError(f"{path} is empty; remove it from the corpus")
+        if path.endswith(".parquet"):
+            names = parquet_file(path).schema_arrow.names
+            if field not in names:
+                raise UsageError(f"{path} has no {field!r} column (it has {', '.join(names)})")
+        else:
+            next(read_documents((path, 0, 1), field), None)
+
+
+def parquet_file(path: str):
+    try:
+        import pyarrow.parquet
+    except ImportError:
+        raise UsageError(f"{path} is parquet, which needs pyarrow: pip install -e '.[streaming]'") from None
+    return pyarrow.parquet.ParquetFile(path)
+
+
+def read_documents(piece: tuple[str, int, int], field: str = "text") -> Iterator[tuple[str, bool]]:
+    """(text, whether a document ends with it) for each record of a piece: the `field` of each jsonl line or
+    parquet row, a whole document each; a .txt file is one document, read line by line (newlines kept), which
+    its last piece ends with ("", True)."""
+    path, start, end = piece
+    if path.endswith(".parquet"):
+        table = parquet_file(path).read_row_group(start)
+        if field not in table.column_names:
+            raise UsageError(f"{path} has no {field!r} column (it has {', '.join(table.column_names)})")
+        yield from ((text, True) for text in table.column(field).to_pylist())
+        return
+    with open(path, "rb") as file:
+        file.seek(start)
+        if start > 0:
+            file.seek(start - 1)
+            file.readline()  # the rest of a line that began in the previous piece belongs to it
+        while file.tell() < end:
+            line = file.readline()
+            if not line:
+                break
+            if path.endswith(".txt"):
+                yield line.decode("utf-8", errors="replace"), False
+                continue
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise UsageError(f"{path}: a line at byte {file.tell() - len(line)} is not JSON ({error.msg}); "
+                                 "each line of a .jsonl file must be one JSON object") from None
+            if not isinstance(record, dict) or field not in record:
+                raise UsageError(f"{path}: the line at byte {file.tell() - len(line)} has no {field!r} field; "
+                                 f"each line must be an object with the document's text as {field!r}")
+            yield record[field], True
+        if path.endswith(".txt") and end == os.path.getsize(path):
+            yield "", True  # the file's end: its document is complete
+
+
+# ---- the epoch's plan: which stream reads which pieces ------------------------------------------------------
+
+Stream = list[list[int]]  # [[piece number, first sample to read], ...]: what one stream has left this epoch
+
+
+def deal(pieces: list[list[int]], streams: int) -> list[Stream]:
+    """Pieces (with the sample each starts at) to `streams` streams, round robin, in the order given."""
+    return [[list(piece) for piece in pieces[stream::streams]] for stream in range(streams)]
+
+
+def first_plan(piece_count: int, streams: int, seed: int, epoch: int) -> list[Stream]:
+    order = torch.randperm(piece_count, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
+    return deal([[piece, 0] for piece in order], streams)
+
+
+def replan(saved: list[Stream], streams: int) -> list[Stream]:
+    """The rest of an epoch saved with another number of streams, dealt to `streams`: partly read pieces first
+    (so a resize starts no more pieces than it must), then the others, alternating between the old streams as
+    the first deal did."""
+    started = [stream[0] for stream in saved if stream and stream[0][1] > 0]
+    unstarted = [stream[1:] if stream and stream[0][1] > 0 else stream for stream in saved]
+    rest = [piece for column in itertools.zip_longest(*unstarted) for piece in column if piece is not None]
+    return deal(started + rest, streams)
+
+
+class PieceReader(IterableDataset):
+    """What a loader worker runs: the samples of its stream, each named (stream, piece, index)."""
+
+    def __init__(self, dataset: StreamedDataset, streams: list[Stream], stream_numbers: list[int]):
+        self.dataset, self.streams, self.stream_numbers = dataset, streams, stream_numbers
+
+    def __iter__(self) -> Iterator[tuple[tuple[int, int, int], Any]]:
+        worker = get_worker_info()
+        slot = worker.id if worker is not None else 0
+        for piece, start in self.streams[slot]:
+            samples = itertools.islice(self.dataset.read(self.dataset.pieces[piece]), start, None)
+            for index, sample in enumerate(samples, start=start):
+                yield (self.stream_numbers[slot], piece, index), sample
+
+
+# ---- the loader ----------------------------------------------------------------------------------------------
+
+class StreamLoader:
+    """Batches of a StreamedDataset for this rank, one optimizer step (`grad_accum` batches) at a time, and the
+    position of its epoch for checkpoints (gather_from_ranks, state_dict, load_state_dict).
+
+    Each batch is one stream's samples in order; with W loader workers, the batches come from the rank's W
+    streams in turn, as the DataLoader returns them. Streams run dry at their own time: before each step every
+    rank says whether it has the step's batches (an all-reduce, min, on a gloo group of its own, issued one step
+    ahead so that it never waits), and the epoch ends at the first step some rank lacks, on every rank, instead
+    of leaving the others waiting in a collective. The batches some ranks had read for that step are not
+    trained on in this epoch."""
+
+    streamed = True
+
+    def __init__(self, dataset: StreamedDataset, env: DistEnv, *, batch_size: int, grad_accum: int,
+                 num_workers: int, seed: int, collate: Callable[[list], Any], pin_memory: bool,
+                 worker_init_fn: Callable[[int], None] | None, sample_log: Path | None):
+        self.dataset, self.env = dataset, env
+        self.batch_size, self.grad_accum, self.num_workers, self.seed = batch_size, grad_accum, num_workers, seed
+        self.collate, self.pin_memory, self.worker_init_fn = collate, pin_memory, worker_init_fn
+        self.sample_log = sample_log
+        self.slots = max(num_workers, 1)  # streams per rank
+        self.stream_count = env.world_size * self.slots
+        with recording_job_sockets():
+            self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.epoch = -1
+        self.plan: list[Stream] = []  # this rank's streams as they stood at the epoch's (or the resume's) start
+        self.rotation = 0  # which of this rank's streams gives the next batch
+        self.consumed: dict[int, tuple[int, int]] = {}  # stream -> (piece, index) of its last sample consumed
+        self.saved: dict | None = None  # a position loaded from a checkpoint, for the epoch it belongs to
+        self.gathered: dict | None = None  # the whole job's position, made by gather_from_ranks
+
+    samples_per_epoch = steps_per_epoch = None  # known only once read: the lr schedule spans --max-steps
+
+    def start_epoch(self, epoch: int, samples_in_epoch: int) -> None:
+        """Plan `epoch`: from the loaded position if it is this epoch's, else from its start (the position, not
+        a count of samples, says where a stream stands)."""
+        self.epoch, self.consumed, self.rotation = epoch, {}, 0
+        saved, self.saved = (self.saved if self.saved and self.saved["epoch"] == epoch else None), None
+        if saved is None:
+            every = first_plan(len(self.dataset.pieces), self.stream_count, self.seed, epoch)
+        elif len(saved["streams"]) == self.stream_count:  # the same ranks and workers: each stream its own rest
+            every = saved["streams"]
+            self.rotation = saved["rotation"][self.env.rank]
+        else:
+            every = replan(saved["streams"], self.stream_count)
+            if self.env.is_main_process:
+                log.info("streamed epoch %d: the rest of %d streams dealt anew to %d (%d ranks x %d)", epoch,
+                         len(saved["streams"]), self.stream_count, self.env.world_size, self.slots)
+        mine = range(self.env.rank * self.slots, (self.env.rank + 1) * self.slots)
+        self.plan = [every[stream] for stream in mine]
+        if saved is None and not all(self.plan):
+            raise UsageError(f"the streamed training set has {len(self.dataset.pieces)} pieces, fewer than "
+                             f"{self.env.world_size} ranks x {self.slots} loader workers, so some would read "
+                             "nothing; use fewer --num-workers, or split the corpus into more or smaller files")
+
+    def __iter__(self) -> Iterator[Any]:
+        # Worker w reads stream rotation + w, so that the batches come in the order the interrupted run had.
+        order = [(self.rotation + slot) % self.slots for slot in range(self.slots)]
+        first = self.env.rank * self.slots
+        reader = PieceReader(self.dataset, [self.plan[slot] for slot in order], [first + slot for slot in order])
+        loader = DataLoader(reader, batch_size=self.batch_size, num_workers=self.num_workers, drop_last=True,
+                            collate_fn=self.named_batch, pin_memory=self.pin_memory,
+                            worker_init_fn=self.worker_init_fn if self.num_workers else None,
+                            generator=torch.Generator().manual_seed(self.seed))  # leaves the global RNG be
+        batches = iter(loader)
+        upcoming, agreement = self.agree_on_next_step(batches)
+        try:
+            while self.wait(agreement):
+                step, (upcoming, agreement) = upcoming, self.agree_on_next_step(batches)
+                for names, batch in step:
+                    self.count(names)
+                    yield batch
+        finally:
+            self.wait(agreement)  # issued on every rank: completed, so that the group is clear for the next
+
+    def named_batch(self, samples: list) -> tuple[list, Any]:
+        return [name for name, _ in samples], self.collate([sample for _, sample in samples])
+
+    def agree_on_next_step(self, batches: Iterator) -> tuple[list, tuple]:
+        step = list(itertools.islice(batches, self.grad_accum))
+        flag = torch.tensor([int(len(step) == self.grad_accum)], dtype=torch.int32)
+        work = (dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+                if self.group is not None else None)
+        return step, (flag, work)
+
+    @staticmethod
+    def wait(agreement: tuple) -> bool:
+        flag, work = agreement
+        if work is not None:
+            work.wait()
+        return bool(flag.item())
+
+    def count(self, names: list[tuple[int, int, int]]) -> None:
+        stream, piece, index = names[-1]  # a batch is one stream's samples, in order
+        self.consumed[stream] = (piece, index)
+        self.rotation = (stream - self.env.rank * self.slots + 1) % self.slots
+        if self.sample_log is not None:  # what is trained on, not what the workers read ahead
+            with open(self.sample_log, "a") as log_file:
+                log_file.write("".join(f"{self.epoch}:{piece}:{index}\n" for _, piece, index in names))
+
+    def rest(self) -> list[Stream]:
+        """This rank's streams from their next sample on: the pieces before the one last consumed are done."""
+        streams = []
+        for slot, stream in enumerate(self.plan):
+            last = self.consumed.get(self.env.rank * self.slots + slot)
+            if last is None:
+                streams.append(stream)
+                continue
+            at = next(position for position, (piece, _) in enumerate(stream) if piece == last[0])
+            streams.append([[last[0], last[1] + 1], *stream[at + 1:]])
+        return streams
+
+    # ---- checkpointing: a component of build_checkpointer ---------------------------------------------------
+
+    def gather_from_ranks(self) -> None:
+        """Before a save, on every rank (a collective): the position of every stream of the job."""
+        mine = {"streams": self.rest(), "rotation": self.rotation}
+        every = [mine]
+        if self.group is not None:
+            every = [None] * self.env.world_size
+            dist.all_gather_object(every, mine, group=self.group)
+        self.gathered = {"epoch": self.epoch, "streams": [stream for rank in every for stream in rank["streams"]],
+                         "rotation": [rank["rotation"] for rank in every]}
+
+    def state_dict(self) -> dict:
+        # A string: the same in a .pt file (it loads with weights_only) and in a DCP folder, at any world size.
+        return {"position": json.dumps(self.gathered)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.saved = json.loads(state["position"])
