@@ -34,7 +34,8 @@ DEFAULT_FILES = {
     *(f"ddp_training/{name}.py" for name in
       ("__init__", "checkpoint/__init__", "checkpoint/common", "checkpoint/replicated", "checkpoint/sharded",
        "checkpoint/folder", "collectives", "data", "distributed", "errors", "evaluation", "export", "failure",
-       "metrics", "optim", "options", "parallel", "preflight", "reproducibility", "spec", "task", "trackers",
+       "metrics", "optim", "options", "parallel", "preflight", "reproducibility", "spec", "streaming", "task",
+       "trackers",
        "watchdog")),
 }
 

@@ -89,7 +89,8 @@ class TrainOptions:
         1800, "the same for start-up (downloads, compilation, the first step), checkpoint I/O and evaluation")
     sample_log: str | None = option(
         None, "audit the data order: append each training-sample index this rank loads to "
-        "SAMPLE_LOG/rank-<RANK>.txt (with --num-workers 0, exactly the samples trained on)")
+        "SAMPLE_LOG/rank-<RANK>.txt (with --num-workers 0, exactly the samples trained on); for a streamed "
+        "training set, epoch:piece:index of each sample trained on")
     task: Any = field(default=None, metadata={"help": None})  # task.py's TaskOptions, set by parse_options
 
     def check(self) -> None:

@@ -171,7 +171,8 @@ def take_lease(path: Path, env: DistEnv):
 class Checkpointer:
     """Saving and resuming, whichever files hold the state. `components` are what a checkpoint holds besides
     progress: anything with state_dict/load_state_dict (model, optimizer, lr schedule, gradient scaler). Add
-    yours where train.py calls build_checkpointer.
+    yours where train.py calls build_checkpointer. A component whose state is spread over the ranks (a stream's
+    position) also has gather_from_ranks(), called on every rank before each save (a collective).
 
     A subclass writes one step (`write`) and finds and reads the newest valid one (`find_newest`, `read`);
     saving once per step, the order of restoring and the log lines are here."""
