@@ -101,6 +101,9 @@ class TaskOptions:
     piece_mb: float = option(
         16, "for --data stream: ranks and loader workers are dealt the corpus in pieces of about this many MB "
         "(a parquet row group is one piece)", fixed=True)
+    tokenizer: str = option(
+        "", "for --data stream: a tokenizer.json (Hugging Face tokenizers) to read the text with, whose "
+        "<|endoftext|> ends each document; default: bytes", fixed=True)
     fake_samples: int = option(2048, "sequences in the fake training set (the held-out set is a quarter of it)")
     model: str = option("gpt", "a model in task.py's TASK: gpt (a decoder-only transformer)", fixed=True)
     block_size: int = option(128, "context length in tokens; a training sample is one block", fixed=True)
@@ -367,16 +370,37 @@ def token_files(options: TrainOptions) -> tuple[Dataset, Dataset]:
 END_OF_TEXT = 256  # streamed bytes: the token after each document, one past the byte values
 
 
-def text_windows(piece: tuple, block_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The samples of a piece of a streamed corpus: its documents as bytes, each followed by END_OF_TEXT, packed
-    into windows of block_size + 1 tokens (input, and target shifted by one), which overlap by one token as
-    TokenBlocks' blocks do. A document's rest runs on into the next window; the piece's last tokens, short of
-    a window, are dropped. The same piece gives the same windows every time (a resume counts on it)."""
+@functools.cache  # once per process: each loader worker loads its own
+def load_tokenizer(path: str):
+    """(the tokenizer of a tokenizer.json, the id of its end-of-text token)."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise UsageError("--tokenizer needs the tokenizers library: pip install -e '.[streaming]'") from None
+    if not Path(path).is_file():
+        raise UsageError(f"--tokenizer {path}: no such file; give the path of a tokenizer.json, or leave it out "
+                         "to read bytes")
+    tokenizer = Tokenizer.from_file(path)
+    end = tokenizer.token_to_id("<|endoftext|>")
+    if end is None:
+        raise UsageError(f"--tokenizer {path} has no <|endoftext|> token, which ends each document; add it to the "
+                         "tokenizer's special tokens")
+    return tokenizer, end
+
+
+def text_windows(piece: tuple, block_size: int, tokenizer: str = "") -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The samples of a piece of a streamed corpus: its documents as tokens (bytes, or `tokenizer`'s), each
+    followed by an end-of-text token, packed into windows of block_size + 1 tokens (input, and target shifted by
+    one), which overlap by one token as TokenBlocks' blocks do. A document's rest runs on into the next window;
+    the piece's last tokens, short of a window, are dropped. The same piece gives the same windows every time
+    (a resume counts on it)."""
+    encoder, end = load_tokenizer(tokenizer) if tokenizer else (None, END_OF_TEXT)
     window = block_size + 1
     pending, pending_length = [], 0
     for text, ends_document in read_documents(piece):
-        tokens = np.frombuffer(text.encode(), dtype=np.uint8).astype(np.int64)
-        pending += [tokens, np.array([END_OF_TEXT])] if ends_document else [tokens]
+        tokens = (np.frombuffer(text.encode(), dtype=np.uint8).astype(np.int64) if encoder is None
+                  else np.array(encoder.encode(text, add_special_tokens=False).ids, dtype=np.int64))
+        pending += [tokens, np.array([end])] if ends_document else [tokens]
         pending_length += len(tokens) + ends_document
         if pending_length < window:
             continue
@@ -391,7 +415,7 @@ def text_windows(piece: tuple, block_size: int) -> Iterator[tuple[torch.Tensor, 
 def streamed_text(options: TrainOptions) -> tuple[StreamedDataset, Dataset]:
     """--data-files as a stream (nothing read until training starts); --eval-files read whole."""
     task = options.task
-    read = functools.partial(text_windows, block_size=task.block_size)
+    read = functools.partial(text_windows, block_size=task.block_size, tokenizer=task.tokenizer)
     pieces = file_pieces(expand_files(task.data_files, "--data-files"), int(task.piece_mb * 2**20))
     held_out = [window for piece in file_pieces(expand_files(task.eval_files, "--eval-files"), 2**62)
                 for window in read(piece)] if task.eval_files else []
@@ -402,7 +426,7 @@ def vocab_size(options: TrainOptions) -> int:
     if options.task.vocab_size is not None:
         return options.task.vocab_size
     if options.task.data == "stream":
-        return END_OF_TEXT + 1
+        return load_tokenizer(options.task.tokenizer)[0].get_vocab_size() if options.task.tokenizer else END_OF_TEXT + 1
     return 50304 if options.task.data == "tokens" else 256  # GPT-2's 50257, padded to a multiple of 64
 
 
@@ -557,6 +581,8 @@ def check_options(options: TrainOptions) -> None:
         elif options.eval_every:
             raise UsageError("--data stream evaluates on --eval-files (a small held-out set, read whole); give "
                              "them, or --eval-every 0")
+        if task.tokenizer:
+            load_tokenizer(task.tokenizer)
 
 
 # ---- what the package calls --------------------------------------------------------------------------------
