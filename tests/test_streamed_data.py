@@ -203,7 +203,7 @@ def test_bad_stream_input_is_one_line(stream_project, corpus, tmp_path, capsys, 
         assert result.returncode == 1 and len(errors) == 1 and errors[0].startswith(expected), (expected, result.stderr)
 
 
-def test_fewer_pieces_than_streams_is_refused_with_what_to_do(stream_project, corpus):
+def test_fewer_pieces_than_streams_or_another_corpus_is_refused_with_what_to_do(stream_project, corpus):
     sys.path.insert(0, str(stream_project))
     try:
         streaming = importlib.import_module("streamed_lm.streaming")
@@ -211,9 +211,19 @@ def test_fewer_pieces_than_streams_is_refused_with_what_to_do(stream_project, co
         errors = importlib.import_module("streamed_lm.errors")
     finally:
         sys.path.remove(str(stream_project))
-    dataset = streaming.StreamedDataset(pieces=[("a", 0, 1)] * 7, read=lambda piece: iter(()))
-    loader = streaming.StreamLoader(dataset, distributed.DistEnv(rank=1, world_size=2), batch_size=4, grad_accum=1,
-                                    num_workers=4, seed=0, collate=list, pin_memory=False, worker_init_fn=None,
-                                    sample_log=None)
+
+    def loader(pieces: int, workers: int):
+        dataset = streaming.StreamedDataset(pieces=[("a", 0, piece) for piece in range(pieces)],
+                                            read=lambda piece: iter(()))
+        return streaming.StreamLoader(dataset, distributed.DistEnv(rank=1, world_size=2), batch_size=4,
+                                      grad_accum=1, num_workers=workers, seed=0, collate=list, pin_memory=False,
+                                      worker_init_fn=None, sample_log=None)
     with pytest.raises(errors.UsageError, match="has 7 pieces, fewer than 2 ranks x 4 loader workers"):
-        loader.start_epoch(0, 0)
+        loader(7, workers=4).start_epoch(0, 0)
+    # A checkpoint's position names pieces by number: another corpus under it is refused, not read from.
+    saved = loader(8, workers=1)
+    saved.start_epoch(0, 0)
+    saved.gather_from_ranks()
+    loader(8, workers=1).load_state_dict(saved.state_dict())  # the same pieces: taken
+    with pytest.raises(errors.UsageError, match=r"not the one this checkpoint was reading \(8 pieces then, 9 now"):
+        loader(9, workers=1).load_state_dict(saved.state_dict())

@@ -20,6 +20,7 @@ job resumed on another world size cannot use (pytorch/torchtitan#291); here the 
 from __future__ import annotations
 
 import glob
+import hashlib
 import itertools
 import json
 import logging
@@ -215,6 +216,8 @@ class StreamLoader:
         self.consumed: dict[int, tuple[int, int]] = {}  # stream -> (piece, index) of its last sample consumed
         self.saved: dict | None = None  # a position loaded from a checkpoint, for the epoch it belongs to
         self.gathered: dict | None = None  # the whole job's position, made by gather_from_ranks
+        # A position names pieces by number: it means nothing for another list of pieces.
+        self.corpus = hashlib.sha256(repr(dataset.pieces).encode()).hexdigest()[:16]
 
     samples_per_epoch = steps_per_epoch = None  # known only once read: the lr schedule spans --max-steps
 
@@ -307,11 +310,18 @@ class StreamLoader:
             every = [None] * self.env.world_size
             dist.all_gather_object(every, mine, group=self.group)
         self.gathered = {"epoch": self.epoch, "streams": [stream for rank in every for stream in rank["streams"]],
-                         "rotation": [rank["rotation"] for rank in every]}
+                         "rotation": [rank["rotation"] for rank in every],
+                         "corpus": (self.corpus, len(self.dataset.pieces))}
 
     def state_dict(self) -> dict:
         # A string: the same in a .pt file (it loads with weights_only) and in a DCP folder, at any world size.
         return {"position": json.dumps(self.gathered)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.saved = json.loads(state["position"])
+        saved = json.loads(state["position"])
+        if saved is not None and tuple(saved["corpus"]) != (self.corpus, len(self.dataset.pieces)):
+            raise UsageError(f"the streamed training set is not the one this checkpoint was reading ("
+                             f"{saved['corpus'][1]} pieces then, {len(self.dataset.pieces)} now, or other files): "
+                             "its position would name other samples. Resume with the same files and --piece-mb, "
+                             "or start a new run with another --ckpt-dir")
+        self.saved = saved
