@@ -35,8 +35,7 @@ DEFAULT_FILES = {
       ("__init__", "checkpoint/__init__", "checkpoint/common", "checkpoint/replicated", "checkpoint/sharded",
        "checkpoint/folder", "collectives", "data", "distributed", "errors", "evaluation", "export", "failure",
        "metrics", "optim", "options", "parallel", "preflight", "reproducibility", "spec", "streaming", "task",
-       "trackers",
-       "watchdog")),
+       "trackers", "watchdog")),
 }
 
 # Every value class each answer admits; each is baked and checked.
