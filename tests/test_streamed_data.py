@@ -1,16 +1,19 @@
-"""task=language_model with --data stream, with numbers: a corpus of uneven jsonl, text and parquet shards read
-as a stream by 2 ranks x 2 loader workers; the epoch ends at the same step on every rank; kill -9 resumes at the
-exact window (bitwise); resized 1 -> 2 ranks, stopped there by SIGTERM, -> 1 mid-epoch (with a tokenizer.json),
-no window is trained on twice or skipped; bad input is one line."""
+"""Streamed training sets, with numbers. task=language_model with --data stream: a corpus of uneven jsonl, text and
+parquet shards read by 2 ranks x 2 loader workers; the epoch ends at the same step on every rank; kill -9 resumes
+at the exact window (bitwise); resized 1 -> 2 ranks, stopped there by SIGTERM, -> 1 mid-epoch (with a
+tokenizer.json), no window is trained on twice or skipped; bad input is one line. The image task's --data
+shards: WebDataset tar shards with random crops and flips, resumed bitwise after kill -9."""
 
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import os
 import re
 import signal
 import sys
+import tarfile
 from collections import Counter
 from pathlib import Path
 
@@ -227,3 +230,46 @@ def test_fewer_pieces_than_streams_or_another_corpus_is_refused_with_what_to_do(
     loader(8, workers=1).load_state_dict(saved.state_dict())  # the same pieces: taken
     with pytest.raises(errors.UsageError, match=r"not the one this checkpoint was reading \(8 pieces then, 9 now"):
         loader(9, workers=1).load_state_dict(saved.state_dict())
+
+
+def write_shard(path: Path, count: int, seed: int) -> None:
+    """A tar shard in WebDataset's layout: <key>.png (16 x 16, its class's colour plus noise) and <key>.cls."""
+    from PIL import Image
+
+    generator = np.random.default_rng(seed)
+    colours = np.array([[200, 40, 40], [40, 40, 200]])
+    with tarfile.open(path, "w") as tar:
+        for index in range(count):
+            label = int(generator.integers(2))
+            pixels = np.clip(colours[label] + generator.normal(0, 40, (16, 16, 3)), 0, 255).astype(np.uint8)
+            image = io.BytesIO()
+            Image.fromarray(pixels).save(image, format="PNG")
+            for name, data in ((f"shard{seed}/{index:05d}.png", image.getvalue()),
+                               (f"shard{seed}/{index:05d}.cls", str(label).encode())):
+                member = tarfile.TarInfo(name)
+                member.size = len(data)
+                tar.addfile(member, io.BytesIO(data))
+
+
+@pytest.mark.slow
+def test_image_tar_shards_stream_with_random_augmentation_and_resume_bitwise_after_kill_9(default_project,
+                                                                                        tmp_path):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for number, count in enumerate([40, 24, 56, 32]):  # uneven: an epoch ends when the first stream runs dry
+        write_shard(shards / f"train-{number}.tar", count, seed=number)
+    write_shard(tmp_path / "val.tar", 20, seed=9)
+    args = flags(data="shards", data_files=shards / "*.tar", eval_files=tmp_path / "val.tar", model="small_cnn",
+                 num_classes=2, image_size=16, batch_size=8, num_workers=1, device="cpu", max_steps=24,
+                 ckpt_every=4, keep_checkpoints=100, log_every=4)
+    reference = run_job(default_project, [*args, "--ckpt-dir", str(tmp_path / "reference")])
+    assert reference.returncode == 0, reference.stderr[-4000:]
+    epochs = [int(epoch) for epoch in re.findall(r"step \d+ \| epoch (\d+) \| loss", reference.stderr)]
+    assert epochs[0] == 0 and epochs[-1] >= 2, reference.stderr  # several epochs, each dealt anew
+    accuracy = re.findall(r"step 24 \| epoch \d+ \| eval loss [\d.]+ \| accuracy ([\d.]+) on 20 held-out",
+                          reference.stderr)
+    assert accuracy and float(accuracy[0]) >= 0.9, reference.stderr[-3000:]
+    killed = start_job(default_project, [*args, "--ckpt-dir", str(tmp_path / "killed")], max_restarts=1)
+    # At step 8 each rank's stream is into its second shard: the first is not read again on resume.
+    kill_a_worker_and_finish(killed, tmp_path / "killed" / "step-8.pt")
+    assert_bitwise_equal(checkpoint(tmp_path / "killed", 24), checkpoint(tmp_path / "reference", 24))

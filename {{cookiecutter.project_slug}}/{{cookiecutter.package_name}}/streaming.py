@@ -1,17 +1,19 @@
-"""Training sets read as streams, for corpora too large to index (jsonl, text or parquet shards): a task's builder
-returns a StreamedDataset, and StreamLoader reads it on every rank and loader worker without overlap, ends an
-epoch at the same step on every rank, and saves where the epoch stands, so that a resume continues at the exact
+"""Training sets read as streams, for corpora too large to index (jsonl, text, parquet or tar shards): a task's
+builder returns a StreamedDataset, and StreamLoader reads it on every rank and loader worker without overlap, ends
+an epoch at the same step on every rank, and saves where the epoch stands, so that a resume continues at the exact
 sample, on the same or another number of ranks.
 
 The corpus is cut into pieces known without reading them: byte ranges of jsonl and text files (a line belongs
-to the piece it starts in), row groups of parquet files. An epoch deals its pieces, in an order drawn from
---seed and the epoch, to streams, one per (rank, loader worker); a stream reads its pieces in turn, and each
-sample it yields is named (piece, index within the piece). The training process counts what it has consumed,
-not what the workers have read ahead, so a checkpoint holds exactly the samples of the steps taken: for every
-stream, the pieces it has left and how far into the first of them it stands. A resume on the same number of
-ranks and workers gives every stream its own rest (bitwise the uninterrupted run); on another number, the rests
-are dealt anew (partly read pieces first), so no sample is trained on twice or skipped. A resume reads again only
-the start of each partly read piece, up to where it stood.
+to the piece it starts in), row groups of parquet files, whole tar shards (WebDataset's layout). An epoch deals
+its pieces, in an order drawn from --seed and the epoch, to streams, one per (rank, loader worker); a stream
+reads its pieces in turn, and each sample it yields is named (piece, index within the piece). The training
+process counts what it has consumed, not what the workers have read ahead, so a checkpoint holds exactly the
+samples of the steps taken: for every stream, the pieces it has left and how far into the first of them it
+stands. A resume on the same number of ranks and workers gives every stream its own rest (bitwise the
+uninterrupted run); on another number, the rests are dealt anew (partly read pieces first), so no sample is
+trained on twice or skipped. A resume reads again only the start of each partly read piece, up to where it stood.
+Random augmentation in `read` draws from the CPU generator seeded for each sample by (--seed, epoch, piece,
+index), so it is redrawn identically on resume too.
 
 Why not torchdata's StatefulDataLoader or a Hugging Face streaming dataset: they save each rank's state, which a
 job resumed on another world size cannot use (pytorch/torchtitan#291); here the position is the job's.
@@ -25,6 +27,7 @@ import itertools
 import json
 import logging
 import os
+import tarfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,28 +57,32 @@ class StreamedDataset:
 
 # ---- pieces of files ---------------------------------------------------------------------------------------
 
-SUFFIXES = (".jsonl", ".txt", ".parquet")
+SUFFIXES = (".jsonl", ".txt", ".parquet", ".tar")
 
 
-def expand_files(pattern: str, flag: str) -> list[str]:
+def expand_files(pattern: str, flag: str, suffixes: tuple[str, ...] = SUFFIXES) -> list[str]:
     """The files a glob names, sorted (the same list on every rank), or one line saying what is wrong."""
     paths = sorted(path for path in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(path))
     if not paths:
-        raise UsageError(f"{flag} {pattern!r} matches no file; give a glob such as 'corpus/*.jsonl' (quoted, so "
-                         "the shell leaves it to train.py)")
-    odd = [path for path in paths if not path.endswith(SUFFIXES)]
+        raise UsageError(f"{flag} {pattern!r} matches no file; give a glob such as 'corpus/*{suffixes[0]}' (quoted, "
+                         "so the shell leaves it to train.py)")
+    odd = [path for path in paths if not path.endswith(suffixes)]
     if odd:
-        raise UsageError(f"{flag} {pattern!r} matches {odd[0]}, which is not {', '.join(SUFFIXES)}; narrow the glob")
+        raise UsageError(f"{flag} {pattern!r} matches {odd[0]}, which is not {', '.join(suffixes)}; narrow the glob")
     return paths
 
 
 def file_pieces(paths: list[str], piece_bytes: int) -> list[tuple[str, int, int]]:
     """(path, start, end) byte ranges of about `piece_bytes` for jsonl and text files; (path, row group, -1) for
-    parquet. Known from file sizes and parquet footers alone, so every rank lists the same pieces at once."""
+    parquet; (path, 0, -1), the whole file, for a tar shard. Known from file sizes and parquet footers alone, so
+    every rank lists the same pieces at once."""
     pieces = []
     for path in paths:
         if path.endswith(".parquet"):
             pieces += [(path, group, -1) for group in range(parquet_file(path).num_row_groups)]
+            continue
+        if path.endswith(".tar"):
+            pieces.append((path, 0, -1))
             continue
         size = os.path.getsize(path)
         if size == 0:
@@ -94,8 +101,34 @@ def check_first_records(paths: list[str], field: str = "text") -> None:
             names = parquet_file(path).schema_arrow.names
             if field not in names:
                 raise UsageError(f"{path} has no {field!r} column (it has {', '.join(names)})")
+        elif path.endswith(".tar"):
+            key, fields = next(tar_samples(path), (None, {}))
+            if field not in fields:
+                raise UsageError(f"{path}: its first sample ({key}) has no .{field} file (it has "
+                                 f"{', '.join(sorted(fields)) or 'none'}); a shard holds <key>.{field} beside the "
+                                 "sample's other files")
         else:
             next(read_documents((path, 0, 1), field), None)
+
+
+def tar_samples(path: str) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """(key, {extension: bytes}) for each sample of a tar shard in WebDataset's layout: the files of a sample are
+    next to each other and share the key, their path up to the first dot of the file name (a/0007.jpg and
+    a/0007.cls are sample a/0007's "jpg" and "cls")."""
+    key, fields = None, {}
+    with tarfile.open(path) as tar:
+        for member in tar:
+            if not member.isfile():
+                continue
+            folder, _, name = member.name.rpartition("/")
+            stem, _, extension = name.partition(".")
+            if f"{folder}/{stem}" != key:
+                if fields:
+                    yield key, fields
+                key, fields = f"{folder}/{stem}", {}
+            fields[extension] = tar.extractfile(member).read()
+    if fields:
+        yield key, fields
 
 
 def parquet_file(path: str):
@@ -170,18 +203,29 @@ def replan(saved: list[Stream], streams: int) -> list[Stream]:
 
 
 class PieceReader(IterableDataset):
-    """What a loader worker runs: the samples of its stream, each named (stream, piece, index)."""
+    """What a loader worker runs: the samples of its stream, each named (stream, piece, index), each read with
+    the CPU generator seeded for that sample alone."""
 
-    def __init__(self, dataset: StreamedDataset, streams: list[Stream], stream_numbers: list[int]):
+    def __init__(self, dataset: StreamedDataset, streams: list[Stream], stream_numbers: list[int], seed: int,
+                 epoch: int):
         self.dataset, self.streams, self.stream_numbers = dataset, streams, stream_numbers
+        self.seed, self.epoch = seed, epoch
 
     def __iter__(self) -> Iterator[tuple[tuple[int, int, int], Any]]:
         worker = get_worker_info()
         slot = worker.id if worker is not None else 0
         for piece, start in self.streams[slot]:
-            samples = itertools.islice(self.dataset.read(self.dataset.pieces[piece]), start, None)
-            for index, sample in enumerate(samples, start=start):
-                yield (self.stream_numbers[slot], piece, index), sample
+            samples = self.dataset.read(self.dataset.pieces[piece])
+            for index in itertools.count():
+                # Within fork_rng: with --num-workers 0 this is the training process, whose generator is dropout's.
+                with torch.random.fork_rng(devices=[]):
+                    torch.default_generator.manual_seed(
+                        (((self.seed * 1_000_003 + self.epoch) * 1_000_033 + piece) * 1_000_037 + index) % 2**63)
+                    sample = next(samples, samples)
+                if sample is samples:  # the piece has no more
+                    break
+                if index >= start:  # those before were trained on before a resume: read again, not trained on
+                    yield (self.stream_numbers[slot], piece, index), sample
 
 
 # ---- the loader ----------------------------------------------------------------------------------------------
@@ -247,7 +291,8 @@ class StreamLoader:
         # Worker w reads stream rotation + w, so that the batches come in the order the interrupted run had.
         order = [(self.rotation + slot) % self.slots for slot in range(self.slots)]
         first = self.env.rank * self.slots
-        reader = PieceReader(self.dataset, [self.plan[slot] for slot in order], [first + slot for slot in order])
+        reader = PieceReader(self.dataset, [self.plan[slot] for slot in order], [first + slot for slot in order],
+                             self.seed, self.epoch)
         loader = DataLoader(reader, batch_size=self.batch_size, num_workers=self.num_workers, drop_last=True,
                             collate_fn=self.named_batch, pin_memory=self.pin_memory,
                             worker_init_fn=self.worker_init_fn if self.num_workers else None,

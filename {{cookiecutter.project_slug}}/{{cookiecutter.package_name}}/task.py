@@ -14,6 +14,9 @@ and evaluation adds up evaluation_sums(model, batch) over the held-out split, th
 
 from __future__ import annotations
 
+import functools
+import io
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +28,7 @@ from torch.utils.data import Dataset
 from .errors import UsageError
 from .options import TrainOptions, option
 from .spec import Task
+from .streaming import StreamedDataset, check_first_records, expand_files, file_pieces, tar_samples
 
 
 @dataclass
@@ -35,8 +39,13 @@ class TaskOptions:
 
     data: str = option(
         "fake", "a dataset in task.py's TASK: fake (generated, learnable), cifar10 (downloaded to "
-        "--data-dir), imagefolder (--data-dir/train/<class>/*.jpg and --data-dir/val/<class>/*.jpg)")
+        "--data-dir), imagefolder (--data-dir/train/<class>/*.jpg and --data-dir/val/<class>/*.jpg), shards "
+        "(tar files of --data-files, read as a stream)")
     data_dir: str = option("data", "where cifar10 is downloaded, or the imagefolder root")
+    data_files: str = option(
+        "", "for --data shards: a glob of tar shards in WebDataset's layout (quoted): <key>.jpg or .png and "
+        "<key>.cls (the class number) for each image", fixed=True)
+    eval_files: str = option("", "for --data shards: a glob of the held-out shards, read whole (keep them small)")
     fake_samples: int = option(2048, "size of the fake training set (the held-out set is a quarter of it)")
     model: str = option("resnet18", "a model in task.py's TASK: any torchvision classification model name "
                         "(e.g. resnet50), or small_cnn (a quick CPU model whose gradients do not depend on the "
@@ -188,6 +197,34 @@ def image_folder(options: TrainOptions) -> tuple[Dataset, Dataset]:
             datasets.ImageFolder(root / "val", transform=evaluate))
 
 
+SHARDS, IMAGE_EXTENSIONS = (".tar",), ("jpg", "jpeg", "png")
+
+
+def shard_images(piece: tuple, image_size: int, augment: bool) -> Iterator[tuple[torch.Tensor, int]]:
+    """The (image, class) samples of one tar shard, in its order; random crops and flips when `augment` (drawn
+    from the CPU generator, which the stream seeds for each sample: a resume redraws them identically)."""
+    from PIL import Image
+    from torchvision import transforms
+    steps = ([transforms.RandomResizedCrop(image_size), transforms.RandomHorizontalFlip()] if augment
+             else [transforms.Resize(image_size), transforms.CenterCrop(image_size)])
+    transform = transforms.Compose([*steps, transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
+    for key, fields in tar_samples(piece[0]):
+        image = next((fields[extension] for extension in IMAGE_EXTENSIONS if extension in fields), None)
+        if image is None or "cls" not in fields:
+            raise UsageError(f"{piece[0]}: sample {key} has {', '.join(sorted(fields))}; each needs an image "
+                             f"({', '.join(IMAGE_EXTENSIONS)}) and a .cls file")
+        yield transform(Image.open(io.BytesIO(image)).convert("RGB")), int(fields["cls"])
+
+
+def image_shards(options: TrainOptions) -> tuple[StreamedDataset, list]:
+    """--data-files as a stream, one tar shard a piece (nothing read until training starts); --eval-files whole."""
+    task = options.task
+    pieces = file_pieces(expand_files(task.data_files, "--data-files", SHARDS), piece_bytes=0)
+    held_out = [sample for piece in file_pieces(expand_files(task.eval_files, "--eval-files", SHARDS), piece_bytes=0)
+                for sample in shard_images(piece, task.image_size, augment=False)] if task.eval_files else []
+    return StreamedDataset(pieces, functools.partial(shard_images, image_size=task.image_size, augment=True)), held_out
+
+
 # ---- model -------------------------------------------------------------------------------------------------
 
 def small_cnn(options: TrainOptions, train_set: Dataset, width: int = 32) -> nn.Module:
@@ -259,13 +296,24 @@ def check_options(options: TrainOptions) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(options.task, name)}")
     if options.task.data == "imagefolder":
         check_image_folders(Path(options.task.data_dir))
+    if options.task.data == "shards":
+        if options.max_steps is None:
+            raise UsageError("--data shards has no length known before it is read, so the lr schedule cannot span "
+                             "--epochs; give --max-steps, the steps it spans")
+        for flag, pattern in (("--data-files", options.task.data_files or "(none given)"),
+                              ("--eval-files", options.task.eval_files)):
+            if pattern:
+                check_first_records(expand_files(pattern, flag, SHARDS), field="cls")
+        if not options.task.eval_files and options.eval_every:
+            raise UsageError("--data shards evaluates on --eval-files (small held-out shards, read whole); give "
+                             "them, or --eval-every 0")
 
 
 # ---- what the package calls --------------------------------------------------------------------------------
 
 TASK = Task(
     options=TaskOptions,
-    datasets={"fake": fake_images, "cifar10": cifar10, "imagefolder": image_folder},
+    datasets={"fake": fake_images, "cifar10": cifar10, "imagefolder": image_folder, "shards": image_shards},
     models={"small_cnn": small_cnn},
     more_models=torchvision_models,  # any other --model name: torchvision's, imported only then
     build_optimizer=build_optimizer,
@@ -368,6 +416,7 @@ def token_files(options: TrainOptions) -> tuple[Dataset, Dataset]:
 
 
 END_OF_TEXT = 256  # streamed bytes: the token after each document, one past the byte values
+TEXT_FILES = (".jsonl", ".txt", ".parquet")
 
 
 @functools.cache  # once per process: each loader worker loads its own
@@ -416,8 +465,8 @@ def streamed_text(options: TrainOptions) -> tuple[StreamedDataset, Dataset]:
     """--data-files as a stream (nothing read until training starts); --eval-files read whole."""
     task = options.task
     read = functools.partial(text_windows, block_size=task.block_size, tokenizer=task.tokenizer)
-    pieces = file_pieces(expand_files(task.data_files, "--data-files"), int(task.piece_mb * 2**20))
-    held_out = [window for piece in file_pieces(expand_files(task.eval_files, "--eval-files"), 2**62)
+    pieces = file_pieces(expand_files(task.data_files, "--data-files", TEXT_FILES), int(task.piece_mb * 2**20))
+    held_out = [window for piece in file_pieces(expand_files(task.eval_files, "--eval-files", TEXT_FILES), 2**62)
                 for window in read(piece)] if task.eval_files else []
     return StreamedDataset(pieces, read), held_out
 
@@ -575,9 +624,9 @@ def check_options(options: TrainOptions) -> None:
                              "--epochs; give --max-steps, the steps it spans")
         if task.piece_mb <= 0:
             raise UsageError(f"--piece-mb must be > 0, got {task.piece_mb}")
-        check_first_records(expand_files(task.data_files or "(none given)", "--data-files"))
+        check_first_records(expand_files(task.data_files or "(none given)", "--data-files", TEXT_FILES))
         if task.eval_files:
-            check_first_records(expand_files(task.eval_files, "--eval-files"))
+            check_first_records(expand_files(task.eval_files, "--eval-files", TEXT_FILES))
         elif options.eval_every:
             raise UsageError("--data stream evaluates on --eval-files (a small held-out set, read whole); give "
                              "them, or --eval-every 0")
