@@ -273,3 +273,24 @@ def test_image_tar_shards_stream_with_random_augmentation_and_resume_bitwise_aft
     # At step 8 each rank's stream is into its second shard: the first is not read again on resume.
     kill_a_worker_and_finish(killed, tmp_path / "killed" / "step-8.pt")
     assert_bitwise_equal(checkpoint(tmp_path / "killed", 24), checkpoint(tmp_path / "reference", 24))
+
+
+def test_bad_image_shards_are_one_line(default_project, baked_train, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(default_project)
+    with tarfile.open(tmp_path / "no-labels.tar", "w") as tar:
+        member = tarfile.TarInfo("a/0001.png")
+        member.size = 3
+        tar.addfile(member, io.BytesIO(b"png"))
+    (tmp_path / "text.jsonl").write_text('{"text": "not an image"}\n')
+    cases = [
+        (tmp_path / "no-labels.tar", f"error: {tmp_path}/no-labels.tar: its first sample (a/0001) has no .cls file "
+                                     "(it has png)"),
+        (tmp_path / "*.jsonl", f"error: --data-files '{tmp_path}/*.jsonl' matches {tmp_path}/text.jsonl, which is not "
+                               ".tar; narrow the glob"),
+    ]
+    for data_files, expected in cases:
+        args = flags(data="shards", data_files=data_files, max_steps=10, eval_every=0, device="cpu",
+                     ckpt_dir=tmp_path / "ckpt")
+        result = main_in_this_process(baked_train, args, capsys)
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+        assert result.returncode == 1 and len(errors) == 1 and errors[0].startswith(expected), (expected, result.stderr)
