@@ -66,8 +66,8 @@ def test_an_unknown_name_says_which_file_and_function_to_edit(default_project, t
     result = run(["python", "train.py", "--data", "csv", "--ckpt-dir", str(tmp_path)], cwd=default_project)
     assert result.returncode == 1
     assert result.stderr.splitlines() == [
-        "error: --data 'csv' is not in the task's datasets; known: cifar10, fake, imagefolder. To add it, write a "
-        "builder and add 'csv': <builder> to TASK's datasets in ddp_training/task.py"], result.stderr
+        "error: --data 'csv' is not in the task's datasets; known: cifar10, fake, imagefolder, shards. To add it, "
+        "write a builder and add 'csv': <builder> to TASK's datasets in ddp_training/task.py"], result.stderr
 
 
 @pytest.mark.slow

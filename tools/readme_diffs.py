@@ -67,7 +67,7 @@ class ExponentialMovingAverage:
 IMAGE_SMOKE_ARGS = '''    smoke_test_args=["--data", "fake", "--fake-samples", "512", "--image-size", "16", "--batch-size", "16",
                      "--model", "small_cnn", "--num-workers", "0", "--device", "cpu", "--lr", "0.005"],
 '''
-IMAGE_TABLES = '''    datasets={"fake": fake_images, "cifar10": cifar10, "imagefolder": image_folder},
+IMAGE_TABLES = '''    datasets={"fake": fake_images, "cifar10": cifar10, "imagefolder": image_folder, "shards": image_shards},
     models={"small_cnn": small_cnn},
 '''
 BEFORE_FAKE_IMAGES = "\n\ndef fake_images(options: TrainOptions) -> tuple[Dataset, Dataset]:\n"
@@ -124,7 +124,7 @@ def fake_table(options: TrainOptions) -> tuple[Dataset, Dataset]:
     return {"loss": sums["loss"] / count, "mean_absolute_error": sums["absolute_error"] / count,
             "samples": int(count)}
 '''),
-    (IMAGE_TABLES, '''    datasets={"fake": fake_images, "cifar10": cifar10, "imagefolder": image_folder,
+    (IMAGE_TABLES, '''    datasets={"fake": fake_images, "cifar10": cifar10, "imagefolder": image_folder, "shards": image_shards,
               "csv": csv_tables, "fake_table": fake_table},
     models={"small_cnn": small_cnn, "mlp": mlp},
 '''),
@@ -214,7 +214,8 @@ def units_in_batch(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Throughput counts the words, not the padding."""
     return batch["attention_mask"].sum()
 '''),
-    (IMAGE_TABLES, '''    datasets={"fake": fake_images, "cifar10": cifar10, "imagefolder": image_folder, "tagged": tagged},
+    (IMAGE_TABLES, '''    datasets={"fake": fake_images, "cifar10": cifar10, "imagefolder": image_folder, "shards": image_shards,
+              "tagged": tagged},
     models={"small_cnn": small_cnn, "tagger": tagger},
     collate=collate,
     units_in_batch=units_in_batch,
