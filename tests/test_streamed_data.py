@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
-import os
 import re
 import signal
 import sys
@@ -153,14 +152,19 @@ def test_a_stream_resized_mid_epoch_trains_on_no_window_twice_and_skips_none(str
     first = run_job(stream_project, stream_args(corpus, **{**common, "max_steps": 10}, num_workers=0,
                                                 sample_log=tmp_path / "samples-0"), nproc=1)
     assert first.returncode == 0, first.stderr[-4000:]
+    # Its loader workers started by forkserver (Python 3.14's default on Linux): what they run is pickled.
+    (tmp_path / "forkserver").mkdir()
+    (tmp_path / "forkserver" / "sitecustomize.py").write_text(
+        "import multiprocessing\nmultiprocessing.set_start_method('forkserver', force=True)\n")
     preempted = start_job(stream_project, stream_args(corpus, **common, num_workers=2,
-                                                      sample_log=tmp_path / "samples-1"))
+                                                      sample_log=tmp_path / "samples-1"),
+                          PYTHONPATH=str(tmp_path / "forkserver"))
     wait_for(tmp_path / "ckpt" / "step-15", preempted)
-    with paused(preempted):
-        os.killpg(preempted.pid, signal.SIGTERM)
+    with paused(preempted):  # SIGTERM to torchrun, which forwards it to the ranks (as a Kubernetes pod's PID 1 gets it)
+        preempted.send_signal(signal.SIGTERM)
     output = preempted.communicate(timeout=120)[0]
     assert "the rest of 1 streams dealt anew to 4 (2 ranks x 2)" in output, output[-4000:]
-    assert "stopped by SIGTERM after step" in output, output[-4000:]
+    assert "stopped by SIGTERM after step" in output and "pickle" not in output, output[-4000:]
     last = run_job(stream_project, stream_args(corpus, **common, num_workers=0, sample_log=tmp_path / "samples-2"),
                    nproc=1)
     assert last.returncode == 0, last.stderr[-4000:]
@@ -206,7 +210,20 @@ def test_bad_stream_input_is_one_line(stream_project, corpus, tmp_path, capsys, 
         assert result.returncode == 1 and len(errors) == 1 and errors[0].startswith(expected), (expected, result.stderr)
 
 
-def test_fewer_pieces_than_streams_or_another_corpus_is_refused_with_what_to_do(stream_project, corpus):
+def one_sample_per_piece(piece: tuple):
+    yield piece[2]
+
+
+def bad_second_piece(piece: tuple):
+    from streamed_lm.errors import UsageError  # imported by the test, inherited by the forked loader worker
+
+    if piece[2] == 1:
+        raise UsageError(f"piece {piece[2]} is bad")
+    yield from range(8)
+
+
+def test_stream_plans_and_positions_refuse_what_cannot_work_on_every_rank_alike(stream_project):
+    # In this process, without a process group: each rank's view of the plan, as torchrun would start it.
     sys.path.insert(0, str(stream_project))
     try:
         streaming = importlib.import_module("streamed_lm.streaming")
@@ -215,21 +232,35 @@ def test_fewer_pieces_than_streams_or_another_corpus_is_refused_with_what_to_do(
     finally:
         sys.path.remove(str(stream_project))
 
-    def loader(pieces: int, workers: int):
-        dataset = streaming.StreamedDataset(pieces=[("a", 0, piece) for piece in range(pieces)],
-                                            read=lambda piece: iter(()))
-        return streaming.StreamLoader(dataset, distributed.DistEnv(rank=1, world_size=2), batch_size=4,
-                                      grad_accum=1, num_workers=workers, seed=0, collate=list, pin_memory=False,
-                                      worker_init_fn=None, sample_log=None)
+    def loader(pieces: int, workers: int, rank: int = 0, world_size: int = 2, read=one_sample_per_piece):
+        dataset = streaming.StreamedDataset(pieces=[("a", 0, piece) for piece in range(pieces)], read=read)
+        return streaming.StreamLoader(dataset, distributed.DistEnv(rank=rank, world_size=world_size),
+                                      batch_size=4, grad_accum=1, num_workers=workers, seed=0, collate=list,
+                                      pin_memory=False, worker_init_fn=None, sample_log=None)
+    # 7 pieces, 8 streams: only rank 1's last stream is empty, and rank 0 says so too (it would wait otherwise).
     with pytest.raises(errors.UsageError, match="has 7 pieces, fewer than 2 ranks x 4 loader workers"):
-        loader(7, workers=4).start_epoch(0, 0)
+        loader(7, workers=4, rank=0).start_epoch(0, 0)
+    # A fresh epoch that gives some rank no full step (one sample a piece, batches of 4) stops, not "succeeds".
+    starved = loader(3, workers=0, world_size=1)
+    starved.start_epoch(0, 0)
+    with pytest.raises(errors.UsageError, match="gives some rank no full step of 1 x 4 samples"):
+        next(iter(starved))
     # A checkpoint's position names pieces by number: another corpus under it is refused, not read from.
-    saved = loader(8, workers=1)
+    saved = loader(8, workers=2, world_size=1)
     saved.start_epoch(0, 0)
     saved.gather_from_ranks()
-    loader(8, workers=1).load_state_dict(saved.state_dict())  # the same pieces: taken
+    same = loader(8, workers=1, rank=1, world_size=2)  # 2 streams again, but on 2 ranks: dealt anew, not indexed
+    same.load_state_dict(saved.state_dict())
+    same.start_epoch(0, 0)
+    assert len(same.plan) == 1 and len(same.plan[0]) == 4 and same.rotation == 0, same.plan
     with pytest.raises(errors.UsageError, match=r"not the one this checkpoint was reading \(8 pieces then, 9 now"):
         loader(9, workers=1).load_state_dict(saved.state_dict())
+    # Bad input a loader worker finds in its own pieces: one line, marked as one only this rank sees.
+    bad = loader(2, workers=1, world_size=1, read=bad_second_piece)
+    bad.start_epoch(0, 0)
+    with pytest.raises(errors.UsageError) as raised:
+        list(iter(bad))
+    assert str(raised.value) == "piece 1 is bad" and not raised.value.same_on_every_rank, str(raised.value)
 
 
 def write_shard(path: Path, count: int, seed: int) -> None:

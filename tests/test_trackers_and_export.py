@@ -136,8 +136,9 @@ def test_exported_safetensors_load_back_bitwise_as_the_readme_shows(default_proj
     baked_module("export").main([str(uninterrupted_bare / "step-40.pt"), str(tmp_path / "model.pt")])
     assert "to " + str(tmp_path / "model.pt") + ", model.safetensors and model.json" in capsys.readouterr().out
     saved = json.loads((tmp_path / "model.json").read_text())
-    assert saved == {"step": 40, "task": {"data": "fake", "data_dir": "data", "fake_samples": 512,
-                                          "model": "small_cnn", "image_size": 16, "num_classes": 10}}
+    assert saved == {"step": 40, "task": {"data": "fake", "data_dir": "data", "data_files": "", "eval_files": "",
+                                          "fake_samples": 512, "model": "small_cnn", "image_size": 16,
+                                          "num_classes": 10}}
     # The README's lines, run as they are in the folder the export wrote.
     monkeypatch.chdir(tmp_path)
     namespace = {}

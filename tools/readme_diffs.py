@@ -227,7 +227,7 @@ def units_in_batch(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 ]}
 
 AUC = {"PACKAGE/task.py": [
-    ("from dataclasses import dataclass\n", "import math\nfrom dataclasses import dataclass\n"),
+    ("import io\n", "import io\nimport math\n"),
     ('''            "samples": torch.tensor(targets.numel())}
 ''', '''            "samples": torch.tensor(targets.numel())}
 

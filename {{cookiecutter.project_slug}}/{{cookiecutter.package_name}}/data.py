@@ -19,7 +19,7 @@ from .distributed import DistEnv
 from .errors import UsageError
 from .options import TrainOptions
 from .streaming import StreamedDataset, StreamLoader
-from .watchdog import detach_from_job_signals
+from .watchdog import detach_from_job_signals, start_forkserver_deaf_to_sigterm
 
 
 class SeededSampleDataset(Dataset):
@@ -122,6 +122,8 @@ def build_loaders(train_set: Dataset | StreamedDataset, eval_set: Dataset, optio
                   ) -> tuple[ShardedLoader | StreamLoader, DataLoader]:
     """The training loader (resumable sharding, per-sample seeds; or a stream's) and the held-out one (each
     rank a disjoint shard, no padding); `collate` (task.py's) makes a list of samples one batch."""
+    if options.num_workers:
+        start_forkserver_deaf_to_sigterm()  # a no-op unless loader workers are started by a forkserver
     sample_log = None
     if options.sample_log:
         Path(options.sample_log).mkdir(parents=True, exist_ok=True)

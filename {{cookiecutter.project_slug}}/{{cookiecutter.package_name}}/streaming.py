@@ -21,11 +21,13 @@ job resumed on another world size cannot use (pytorch/torchtitan#291); here the 
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import itertools
 import json
 import logging
+import math
 import os
 import tarfile
 from collections.abc import Callable, Iterable, Iterator
@@ -202,6 +204,21 @@ def replan(saved: list[Stream], streams: int) -> list[Stream]:
     return deal(started + rest, streams)
 
 
+def named_batch(samples: list, collate: Callable[[list], Any]) -> tuple[list, Any]:
+    """A batch, and the names of its samples. A function, not a method: under forkserver or spawn (Python 3.14's
+    default on Linux, macOS's) a loader worker gets it pickled, and a loader that holds a process group is not."""
+    return [name for name, _ in samples], collate([sample for _, sample in samples])
+
+
+def corpus_fingerprint(pieces: list) -> str:
+    """Names the list of pieces and the sizes of the files they are in: a file rewritten under the same name
+    (more rows, another shard) would make a saved (piece, index) another sample."""
+    paths = sorted({piece[0] for piece in pieces if isinstance(piece, (tuple, list)) and piece
+                    and isinstance(piece[0], str) and os.path.isfile(piece[0])})
+    sizes = [(path, os.path.getsize(path)) for path in paths]
+    return hashlib.sha256(repr((pieces, sizes)).encode()).hexdigest()[:16]
+
+
 class PieceReader(IterableDataset):
     """What a loader worker runs: the samples of its stream, each named (stream, piece, index), each read with
     the CPU generator seeded for that sample alone."""
@@ -261,7 +278,8 @@ class StreamLoader:
         self.saved: dict | None = None  # a position loaded from a checkpoint, for the epoch it belongs to
         self.gathered: dict | None = None  # the whole job's position, made by gather_from_ranks
         # A position names pieces by number: it means nothing for another list of pieces.
-        self.corpus = hashlib.sha256(repr(dataset.pieces).encode()).hexdigest()[:16]
+        self.corpus = corpus_fingerprint(dataset.pieces)
+        self.resumed = False  # this epoch continues a saved position (which may stand at its very end)
 
     samples_per_epoch = steps_per_epoch = None  # known only once read: the lr schedule spans --max-steps
 
@@ -270,10 +288,11 @@ class StreamLoader:
         a count of samples, says where a stream stands)."""
         self.epoch, self.consumed, self.rotation = epoch, {}, 0
         saved, self.saved = (self.saved if self.saved and self.saved["epoch"] == epoch else None), None
+        self.resumed = saved is not None
         if saved is None:
             every = first_plan(len(self.dataset.pieces), self.stream_count, self.seed, epoch)
-        elif len(saved["streams"]) == self.stream_count:  # the same ranks and workers: each stream its own rest
-            every = saved["streams"]
+        elif len(saved["rotation"]) == self.env.world_size and len(saved["streams"]) == self.stream_count:
+            every = saved["streams"]  # the same ranks and workers: each stream its own rest, in the same order
             self.rotation = saved["rotation"][self.env.rank]
         else:
             every = replan(saved["streams"], self.stream_count)
@@ -282,7 +301,7 @@ class StreamLoader:
                          len(saved["streams"]), self.stream_count, self.env.world_size, self.slots)
         mine = range(self.env.rank * self.slots, (self.env.rank + 1) * self.slots)
         self.plan = [every[stream] for stream in mine]
-        if saved is None and not all(self.plan):
+        if saved is None and not all(every):  # the whole plan, the same on every rank: all of them stop alike
             raise UsageError(f"the streamed training set has {len(self.dataset.pieces)} pieces, fewer than "
                              f"{self.env.world_size} ranks x {self.slots} loader workers, so some would read "
                              "nothing; use fewer --num-workers, or split the corpus into more or smaller files")
@@ -293,12 +312,19 @@ class StreamLoader:
         first = self.env.rank * self.slots
         reader = PieceReader(self.dataset, [self.plan[slot] for slot in order], [first + slot for slot in order],
                              self.seed, self.epoch)
+        # The next step's batches are read before this step's are handed over: enough read-ahead for all of them.
+        read_ahead = dict(prefetch_factor=max(2, math.ceil((self.grad_accum + 1) / self.num_workers)),
+                          worker_init_fn=self.worker_init_fn) if self.num_workers else {}
         loader = DataLoader(reader, batch_size=self.batch_size, num_workers=self.num_workers, drop_last=True,
-                            collate_fn=self.named_batch, pin_memory=self.pin_memory,
-                            worker_init_fn=self.worker_init_fn if self.num_workers else None,
-                            generator=torch.Generator().manual_seed(self.seed))  # leaves the global RNG be
+                            collate_fn=functools.partial(named_batch, collate=self.collate),
+                            pin_memory=self.pin_memory, generator=torch.Generator().manual_seed(self.seed),
+                            **read_ahead)  # a generator of its own: leaves the global RNG be
         batches = iter(loader)
         upcoming, agreement = self.agree_on_next_step(batches)
+        if not self.resumed and not self.wait(agreement):
+            raise UsageError(f"the streamed training set gives some rank no full step of {self.grad_accum} x "
+                             f"{self.batch_size} samples this epoch; lower --batch-size or --grad-accum, or use "
+                             "more data")
         try:
             while self.wait(agreement):
                 step, (upcoming, agreement) = upcoming, self.agree_on_next_step(batches)
@@ -308,11 +334,13 @@ class StreamLoader:
         finally:
             self.wait(agreement)  # issued on every rank: completed, so that the group is clear for the next
 
-    def named_batch(self, samples: list) -> tuple[list, Any]:
-        return [name for name, _ in samples], self.collate([sample for _, sample in samples])
-
     def agree_on_next_step(self, batches: Iterator) -> tuple[list, tuple]:
-        step = list(itertools.islice(batches, self.grad_accum))
+        try:
+            step = list(itertools.islice(batches, self.grad_accum))
+        except UsageError as error:  # bad input a loader worker found, in this rank's pieces alone
+            # The DataLoader re-raises it with the worker's traceback in its message: its last line is ours.
+            message = str(error).strip().splitlines()[-1].split("UsageError: ", 1)[-1]
+            raise UsageError(message, same_on_every_rank=False) from None
         flag = torch.tensor([int(len(step) == self.grad_accum)], dtype=torch.int32)
         work = (dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
                 if self.group is not None else None)

@@ -150,6 +150,28 @@ def detach_from_job_signals(worker_id: int, training_process: int) -> None:
     threading.Thread(target=follow_the_training_process, daemon=True).start()
 
 
+def start_forkserver_deaf_to_sigterm() -> None:
+    """Under the forkserver start method (Python 3.14's default on Linux, or set by the user) DataLoader workers
+    are forked by a server process that multiprocessing starts, once, in the training process's process group.
+    The SIGTERM that torchrun, a terminal or Slurm sends that group would end it, and with it (their parent
+    gone) every loader worker: the rank fails in its next step instead of saving at the agreed one. So the
+    server is started here, before any loader, ignoring SIGTERM (an ignored signal stays ignored through exec;
+    a blocked one would not); the workers it forks take SIGTERM from their training process alone (above)."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    if multiprocessing.get_start_method() != "forkserver":
+        return
+    # Blocked meanwhile in this process too, so that a SIGTERM arriving in between waits for the handler.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    handler = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 def watch_process(pid: int) -> Callable[[], bool]:
     """A check of whether process `pid` has ended: a pidfd on Linux (never fooled by a reused pid)."""
     try:
