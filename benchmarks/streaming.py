@@ -107,7 +107,8 @@ def main() -> None:
         steps = ["--max-steps", str(options.steps)]
         sides = {
             "memmap (--data tokens)": ["--data", "tokens", "--data-dir", str(tokens), "--vocab-size", "257"],
-            "stream (--data stream, jsonl)": ["--data", "stream", "--data-files", str(small / "*.jsonl"), "--piece-mb", "1"],
+            "stream (--data stream, jsonl)": ["--data", "stream", "--data-files", str(small / "*.jsonl"),
+                                              "--piece-mb", "1"],
         }
         results = {name: [] for name in sides}
         for round_number in range(options.rounds):
