@@ -255,12 +255,22 @@ def test_stream_plans_and_positions_refuse_what_cannot_work_on_every_rank_alike(
     assert len(same.plan) == 1 and len(same.plan[0]) == 4 and same.rotation == 0, same.plan
     with pytest.raises(errors.UsageError, match=r"not the one this checkpoint was reading \(8 pieces then, 9 now"):
         loader(9, workers=1).load_state_dict(saved.state_dict())
-    # Bad input a loader worker finds in its own pieces: one line, marked as one only this rank sees.
-    bad = loader(2, workers=1, world_size=1, read=bad_second_piece)
+    # Bad input in this rank's own pieces: one line, marked as one only this rank sees (no loader worker here:
+    # this process has threads, and fork would copy their locks).
+    bad = loader(2, workers=0, world_size=1, read=bad_second_piece)
     bad.start_epoch(0, 0)
     with pytest.raises(errors.UsageError) as raised:
         list(iter(bad))
     assert str(raised.value) == "piece 1 is bad" and not raised.value.same_on_every_rank, str(raised.value)
+    # From a loader worker, the DataLoader raises it again with the worker's traceback as the message.
+    from torch._utils import ExceptionWrapper
+    try:
+        raise errors.UsageError("piece 1 is bad")
+    except errors.UsageError:
+        wrapped = ExceptionWrapper(sys.exc_info(), where="in DataLoader worker process 0")
+    with pytest.raises(errors.UsageError) as raised:
+        wrapped.reraise()
+    assert "Traceback" in str(raised.value) and streaming.first_line_of_ours(raised.value) == "piece 1 is bad"
 
 
 def write_shard(path: Path, count: int, seed: int) -> None:

@@ -210,6 +210,12 @@ def named_batch(samples: list, collate: Callable[[list], Any]) -> tuple[list, An
     return [name for name, _ in samples], collate([sample for _, sample in samples])
 
 
+def first_line_of_ours(error: UsageError) -> str:
+    """The one line of a UsageError, also when a DataLoader worker raised it: the DataLoader raises it again
+    with the worker's traceback as its message, whose last line is "...UsageError: <ours>"."""
+    return str(error).strip().splitlines()[-1].split("UsageError: ", 1)[-1]
+
+
 def corpus_fingerprint(pieces: list) -> str:
     """Names the list of pieces and the sizes of the files they are in: a file rewritten under the same name
     (more rows, another shard) would make a saved (piece, index) another sample."""
@@ -337,10 +343,8 @@ class StreamLoader:
     def agree_on_next_step(self, batches: Iterator) -> tuple[list, tuple]:
         try:
             step = list(itertools.islice(batches, self.grad_accum))
-        except UsageError as error:  # bad input a loader worker found, in this rank's pieces alone
-            # The DataLoader re-raises it with the worker's traceback in its message: its last line is ours.
-            message = str(error).strip().splitlines()[-1].split("UsageError: ", 1)[-1]
-            raise UsageError(message, same_on_every_rank=False) from None
+        except UsageError as error:  # bad input found in this rank's pieces alone
+            raise UsageError(first_line_of_ours(error), same_on_every_rank=False) from None
         flag = torch.tensor([int(len(step) == self.grad_accum)], dtype=torch.int32)
         work = (dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
                 if self.group is not None else None)
