@@ -39,9 +39,10 @@ demo: $(INSTALLED)
 	cd $(DEMO_PROJECT) && PATH="$(BIN):$$PATH" NPROC_PER_NODE=2 ./run_node.sh $(DEMO_ARGS) --max-steps 60
 	@echo "=== baked project: $(DEMO_PROJECT)"
 
-# Three pytest-xdist workers on two cores: much of the suite waits (a 32 s save, Slurm, rendezvous timeouts).
+# Two pytest-xdist workers on two cores: with three, the suite took as long (9:43-13:32 against 10:08) and 5-20 %
+# more CPU-seconds, its processes slowed by one another (benchmarks/README.md).
 # --dist loadgroup keeps each xdist_group (a shared reference run, a test cluster's fixed ports) on one worker.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 2
 
 test: $(INSTALLED) lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup tests
