@@ -18,7 +18,8 @@ pytestmark = pytest.mark.slow  # torchrun jobs: `make test-fast` leaves these ou
 def test_a_usage_error_is_printed_once_per_job_and_its_retries_are_silent(default_project, tmp_path):
     # torchrun as PID 1 of a pid namespace, as in a Kubernetes pod, where a signal from a child is ignored: the
     # job must not depend on ending its launcher. Both attempts fail (exit 1, not 137: a killed job would be
-    # requeued), and only the first says why, once, also to the file train.sbatch reads.
+    # requeued), and only the first says why, once (rank 0 for the job: every rank stops, none repeats it),
+    # also to the file train.sbatch reads.
     as_pid_1 = ("unshare", "--pid", "--fork", "--mount-proc") if os.geteuid() == 0 else ()
     result = run_job(default_project, ["--model", "nope", "--ckpt-dir", str(tmp_path)], max_restarts=1,
                      prefix=as_pid_1, STOP_REQUEUE_FILE=str(tmp_path / "stop-requeue"))
@@ -26,6 +27,7 @@ def test_a_usage_error_is_printed_once_per_job_and_its_retries_are_silent(defaul
     assert result.returncode == 1, output
     ours = [line for line in output.splitlines() if line.startswith("error: ")]
     assert len(ours) == 1 and ours[0].startswith("error: --model 'nope' is not in the task's models"), output
+    assert "UsageError" not in output, "a usage error must not surface as a worker traceback"
     assert len(re.findall(r"failed \(exitcode: 1\) local_rank: \d", output)) == 2, output  # the retry ran
     assert (tmp_path / "stop-requeue").read_text() == ours[0] + "\n"
     assert not (tmp_path / ".crashes").exists(), "a usage error is not a crash to compare with the next"

@@ -71,13 +71,6 @@ def test_bad_option_is_one_clear_line(default_project, baked_train, tmp_path, ar
     assert_one_error_line(result, expected.format(tmp=tmp_path))
 
 
-@pytest.mark.slow
-def test_bad_option_under_torchrun_stops_every_rank_with_the_same_line(default_project, tmp_path):
-    result = run_job(default_project, [*TINY, "--model", "resnet19"])
-    assert_one_error_line(result, "error: --model 'resnet19'")
-    assert result.stderr.count("error: --model") == 1  # rank 0 reports it for the job (issue 12)
-
-
 @pytest.mark.parametrize("environment, expected", [
     ({"RANK": "0"}, "error: partial torchrun environment: RANK set but WORLD_SIZE, LOCAL_RANK"),
     ({"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
