@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 from .distributed import DistEnv
 from .errors import UsageError
 from .options import TrainOptions
-from .streaming import StreamedDataset, StreamLoader
+from .streaming import StreamedDataset, StreamLoader, require_max_steps
 from .watchdog import detach_from_job_signals, start_forkserver_deaf_to_sigterm
 
 
@@ -136,9 +136,7 @@ def build_loaders(train_set: Dataset | StreamedDataset, eval_set: Dataset, optio
     eval_loader = DataLoader(eval_shard, shuffle=False, generator=torch.Generator().manual_seed(options.seed),
                              **common)
     if isinstance(train_set, StreamedDataset):
-        if options.max_steps is None:
-            raise UsageError("a streamed training set has no length known before it is read, so the lr schedule "
-                             "cannot span --epochs; give --max-steps, the steps it spans")
+        require_max_steps(options)
         return StreamLoader(train_set, env, batch_size=options.batch_size, grad_accum=options.grad_accum,
                             num_workers=options.num_workers, seed=options.seed, collate=collate,
                             pin_memory=common["pin_memory"], worker_init_fn=common["worker_init_fn"],

@@ -49,9 +49,10 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class StreamedDataset:
     """What a task's builder returns for a streamed training set: `pieces`, picklable descriptions of the corpus's
-    parts (file_pieces makes them for files), and `read(piece)`, which yields that piece's samples in the same
-    order every time it is called. `read` runs in loader workers: a module-level function (or a
-    functools.partial of one) that keeps no state between calls."""
+    parts (file_pieces makes them for files), each naming its content well enough that another content gives
+    another description (a checkpoint's position is only taken for the same pieces), and `read(piece)`, which
+    yields that piece's samples in the same order every time it is called. `read` runs in loader workers: a
+    module-level function (or a functools.partial of one) that keeps no state between calls."""
 
     pieces: list
     read: Callable[[Any], Iterable[Any]]
@@ -75,30 +76,43 @@ def expand_files(pattern: str, flag: str, suffixes: tuple[str, ...] = SUFFIXES) 
 
 
 def file_pieces(paths: list[str], piece_bytes: int) -> list[tuple[str, int, int]]:
-    """(path, start, end) byte ranges of about `piece_bytes` for jsonl and text files; (path, row group, -1) for
-    parquet; (path, 0, -1), the whole file, for a tar shard. Known from file sizes and parquet footers alone, so
-    every rank lists the same pieces at once."""
+    """(path, start, end) byte ranges of about `piece_bytes` for jsonl and text files; (path, row group, its rows)
+    for parquet; (path, 0, size), the whole file, for a tar shard. Known from file sizes and parquet footers
+    alone, so every rank lists the same pieces at once; a file rewritten to another size or row count gives
+    other pieces."""
     pieces = []
     for path in paths:
+        size = nonempty_size(path)
         if path.endswith(".parquet"):
-            pieces += [(path, group, -1) for group in range(parquet_file(path).num_row_groups)]
-            continue
-        if path.endswith(".tar"):
-            pieces.append((path, 0, -1))
-            continue
-        size = os.path.getsize(path)
-        if size == 0:
-            raise UsageError(f"{path} is empty; remove it from the corpus")
-        pieces += [(path, start, min(start + piece_bytes, size)) for start in range(0, size, piece_bytes)]
+            metadata = parquet_file(path).metadata
+            pieces += [(path, group, metadata.row_group(group).num_rows) for group in range(metadata.num_row_groups)]
+        elif path.endswith(".tar"):
+            pieces.append((path, 0, size))
+        else:
+            pieces += [(path, start, min(start + piece_bytes, size)) for start in range(0, size, piece_bytes)]
     return pieces
+
+
+def nonempty_size(path: str) -> int:
+    size = os.path.getsize(path)
+    if size == 0:
+        raise UsageError(f"{path} is empty; remove it from the corpus")
+    return size
+
+
+def require_max_steps(options) -> None:
+    """A streamed training set's epoch has no length before it is read: the lr schedule spans --max-steps. A
+    task checks it before any process group starts; build_loaders again, for any builder that returns a stream."""
+    if options.max_steps is None:
+        raise UsageError(f"--data {options.task.data} has no length known before it is read, so the lr schedule "
+                         "cannot span --epochs; give --max-steps, the steps it spans")
 
 
 def check_first_records(paths: list[str], field: str = "text") -> None:
     """Before any process group starts: each file's first record has `field` (a parquet file: its schema), so
     that a wrong corpus is one line here rather than an error inside a loader worker."""
     for path in paths:
-        if os.path.getsize(path) == 0:
-            raise UsageError(f"{path} is empty; remove it from the corpus")
+        nonempty_size(path)
         if path.endswith(".parquet"):
             names = parquet_file(path).schema_arrow.names
             if field not in names:
@@ -216,15 +230,6 @@ def first_line_of_ours(error: UsageError) -> str:
     return str(error).strip().splitlines()[-1].split("UsageError: ", 1)[-1]
 
 
-def corpus_fingerprint(pieces: list) -> str:
-    """Names the list of pieces and the sizes of the files they are in: a file rewritten under the same name
-    (more rows, another shard) would make a saved (piece, index) another sample."""
-    paths = sorted({piece[0] for piece in pieces if isinstance(piece, (tuple, list)) and piece
-                    and isinstance(piece[0], str) and os.path.isfile(piece[0])})
-    sizes = [(path, os.path.getsize(path)) for path in paths]
-    return hashlib.sha256(repr((pieces, sizes)).encode()).hexdigest()[:16]
-
-
 class PieceReader(IterableDataset):
     """What a loader worker runs: the samples of its stream, each named (stream, piece, index), each read with
     the CPU generator seeded for that sample alone."""
@@ -284,7 +289,7 @@ class StreamLoader:
         self.saved: dict | None = None  # a position loaded from a checkpoint, for the epoch it belongs to
         self.gathered: dict | None = None  # the whole job's position, made by gather_from_ranks
         # A position names pieces by number: it means nothing for another list of pieces.
-        self.corpus = corpus_fingerprint(dataset.pieces)
+        self.corpus = hashlib.sha256(repr(dataset.pieces).encode()).hexdigest()[:16]
         self.resumed = False  # this epoch continues a saved position (which may stand at its very end)
 
     samples_per_epoch = steps_per_epoch = None  # known only once read: the lr schedule spans --max-steps

@@ -28,7 +28,14 @@ from torch.utils.data import Dataset
 from .errors import UsageError
 from .options import TrainOptions, option
 from .spec import Task
-from .streaming import StreamedDataset, check_first_records, expand_files, file_pieces, tar_samples
+from .streaming import (
+    StreamedDataset,
+    check_first_records,
+    expand_files,
+    file_pieces,
+    require_max_steps,
+    tar_samples,
+)
 
 
 @dataclass
@@ -89,7 +96,14 @@ from torch.utils.data import Dataset
 from .errors import UsageError
 from .options import TrainOptions, option
 from .spec import Task
-from .streaming import StreamedDataset, check_first_records, expand_files, file_pieces, read_documents
+from .streaming import (
+    StreamedDataset,
+    check_first_records,
+    expand_files,
+    file_pieces,
+    read_documents,
+    require_max_steps,
+)
 
 
 @dataclass
@@ -297,9 +311,7 @@ def check_options(options: TrainOptions) -> None:
     if options.task.data == "imagefolder":
         check_image_folders(Path(options.task.data_dir))
     if options.task.data == "shards":
-        if options.max_steps is None:
-            raise UsageError("--data shards has no length known before it is read, so the lr schedule cannot span "
-                             "--epochs; give --max-steps, the steps it spans")
+        require_max_steps(options)
         for flag, pattern in (("--data-files", options.task.data_files or "(none given)"),
                               ("--eval-files", options.task.eval_files)):
             if pattern:
@@ -619,9 +631,7 @@ def check_options(options: TrainOptions) -> None:
     if task.data == "tokens":
         check_token_files(Path(task.data_dir))
     if task.data == "stream":
-        if options.max_steps is None:
-            raise UsageError("--data stream has no length known before it is read, so the lr schedule cannot span "
-                             "--epochs; give --max-steps, the steps it spans")
+        require_max_steps(options)
         if task.piece_mb <= 0:
             raise UsageError(f"--piece-mb must be > 0, got {task.piece_mb}")
         check_first_records(expand_files(task.data_files or "(none given)", "--data-files", TEXT_FILES))
