@@ -6,6 +6,7 @@ shards: WebDataset tar shards with random crops and flips, resumed bitwise after
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import io
 import json
@@ -14,6 +15,7 @@ import signal
 import sys
 import tarfile
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -95,16 +97,27 @@ def trained_windows(sample_log: Path, epoch: int = 0) -> Counter:
     return Counter(line.split(":", 1)[1] for line in lines if line.startswith(f"{epoch}:"))
 
 
-def every_window(project: Path, corpus: Path, tokenizer: Path | None = None) -> set[str]:
-    """The corpus's windows as the baked task cuts them, read here in one process."""
+@contextlib.contextmanager
+def on_sys_path(project: Path) -> Iterator[None]:
+    """The baked project's folder on sys.path while its modules are imported into this process."""
     sys.path.insert(0, str(project))
     try:
-        task, streaming = (importlib.import_module(f"streamed_lm.{name}") for name in ("task", "streaming"))
-        pieces = streaming.file_pieces(streaming.expand_files(str(corpus / "train-*"), "--data-files"), 16 * 2**20)
-        return {f"{number}:{index}" for number, piece in enumerate(pieces)
-                for index, _ in enumerate(task.text_windows(piece, BLOCK, str(tokenizer or "")))}
+        yield
     finally:
         sys.path.remove(str(project))
+
+
+def package_modules(project: Path, *names: str) -> list:
+    with on_sys_path(project):
+        return [importlib.import_module(f"streamed_lm.{name}") for name in names]
+
+
+def every_window(project: Path, corpus: Path, tokenizer: Path | None = None) -> set[str]:
+    """The corpus's windows as the baked task cuts them, read here in one process."""
+    task, streaming = package_modules(project, "task", "streaming")
+    pieces = streaming.file_pieces(streaming.expand_files(str(corpus / "train-*"), "--data-files"), 16 * 2**20)
+    return {f"{number}:{index}" for number, piece in enumerate(pieces)
+            for index, _ in enumerate(task.text_windows(piece, BLOCK, str(tokenizer or "")))}
 
 
 @pytest.fixture(scope="module")
@@ -178,8 +191,8 @@ def test_a_stream_resized_mid_epoch_trains_on_no_window_twice_and_skips_none(str
 def stream_train(stream_project):
     spec = importlib.util.spec_from_file_location("streamed_train", stream_project / "train.py")
     module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(stream_project))
-    spec.loader.exec_module(module)
+    with on_sys_path(stream_project):
+        spec.loader.exec_module(module)
     return module
 
 
@@ -224,13 +237,7 @@ def bad_second_piece(piece: tuple):
 
 def test_stream_plans_and_positions_refuse_what_cannot_work_on_every_rank_alike(stream_project):
     # In this process, without a process group: each rank's view of the plan, as torchrun would start it.
-    sys.path.insert(0, str(stream_project))
-    try:
-        streaming = importlib.import_module("streamed_lm.streaming")
-        distributed = importlib.import_module("streamed_lm.distributed")
-        errors = importlib.import_module("streamed_lm.errors")
-    finally:
-        sys.path.remove(str(stream_project))
+    streaming, distributed, errors = package_modules(stream_project, "streaming", "distributed", "errors")
 
     def loader(pieces: int, workers: int, rank: int = 0, world_size: int = 2, read=one_sample_per_piece):
         dataset = streaming.StreamedDataset(pieces=[("a", 0, piece) for piece in range(pieces)], read=read)
