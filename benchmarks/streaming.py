@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import resource
 import shutil
 import statistics
 import subprocess
@@ -71,14 +70,13 @@ def write_tokens(folder: Path, megabytes: float) -> Path:
     return folder
 
 
-def train(project: Path, args: list[str], nproc: int) -> tuple[str, int]:
-    """Its log, and the peak RSS (KiB) of the largest process it waited for."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+def train(project: Path, args: list[str], nproc: int) -> str:
+    """Its log."""
     command = (["torchrun", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else ["python"])
     result = subprocess.run([*command, "train.py", *args], cwd=project, env=child_env(), capture_output=True,
                             text=True)
     assert result.returncode == 0, result.stderr[-3000:]
-    return result.stderr, max(before, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+    return result.stderr
 
 
 def steady(log: str, after_step: int) -> tuple[float, float]:
@@ -113,7 +111,7 @@ def main() -> None:
         results = {name: [] for name in sides}
         for round_number in range(options.rounds):
             for name, data in sides.items():  # alternated, so that drifting load falls on both
-                log, _ = train(project, [*SIZE, *data, *steps, "--ckpt-dir", str(work / f"ckpt-{len(results[name])}-"
+                log = train(project, [*SIZE, *data, *steps, "--ckpt-dir", str(work / f"ckpt-{len(results[name])}-"
                                                                                      f"{name[:6]}")], nproc=2)
                 results[name].append(steady(log, after_step=20))
                 print(f"round {round_number}: {name}: {results[name][-1][0]:.0f} tokens/s, data wait "
@@ -130,15 +128,15 @@ def main() -> None:
             sizes = sum(path.stat().st_size for path in folder.glob("*.jsonl")) / 2**20
             peaks = []
             for run in range(options.rounds):
-                _, peak = run_memory(project, folder, steps, work / f"ckpt-memory-{name}-{run}")
-                peaks.append(peak / 1024)
+                peaks.append(peak_rss_kib(project, folder, steps, work / f"ckpt-memory-{name}-{run}") / 1024)
             print(f"| {name}: {sizes:.0f} MB, {len(list(folder.glob('*.jsonl')))} shards | {spread(peaks)} |")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def run_memory(project: Path, folder: Path, steps: list[str], ckpt_dir: Path) -> tuple[str, int]:
-    """In a process of its own, so that ru_maxrss is this run's alone."""
+def peak_rss_kib(project: Path, folder: Path, steps: list[str], ckpt_dir: Path) -> int:
+    """The peak RSS of the largest process of a 1-rank run, measured in a process of its own, so that ru_maxrss
+    is this run's alone."""
     code = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
             "assert r.returncode == 0, r.stderr[-3000:]; print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
     args = [*SIZE, "--data", "stream", "--data-files", str(folder / "*.jsonl"), "--piece-mb", "1", *steps,
@@ -146,7 +144,7 @@ def run_memory(project: Path, folder: Path, steps: list[str], ckpt_dir: Path) ->
     result = subprocess.run([sys.executable, "-c", code, "python", "train.py", *args], cwd=project, env=child_env(),
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
-    return "", int(result.stdout.split()[-1])
+    return int(result.stdout.split()[-1])
 
 
 if __name__ == "__main__":
