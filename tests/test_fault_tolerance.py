@@ -182,8 +182,8 @@ def test_a_resized_job_runs_the_uninterrupted_lr_at_every_sample_count(default_p
     assert step_lr(shrunk, 16) == pytest.approx(reference(192), rel=1e-12)
     # Each rank's CUDA generator state is saved, empty without CUDA; one rank resuming restores it (a no-op here)
     # and saves its own one entry.
-    assert checkpoint(uninterrupted_bare, 8)["cuda_rng_states"] == [[], []]
-    assert checkpoint(shrunk, 16)["cuda_rng_states"] == [[]]
+    assert checkpoint(uninterrupted_bare, 8)["cuda_rng_states"].shape == (2, 0)
+    assert checkpoint(shrunk, 16)["cuda_rng_states"].shape == (1, 0)
 
 
 def run_two_nodes(project: Path, ckpt_dirs: list[Path], *args: str) -> str:

@@ -137,8 +137,7 @@ def trains_learns_and_resumes_bitwise_after_kill_9(project: Path, tmp_path: Path
     kill_a_worker_and_finish(killed, tmp_path / "killed" / "step-4.pt")
     final = max(int(path.stem.split("-")[1]) for path in (tmp_path / "uninterrupted").glob("step-*.pt"))
     resumed, expected = checkpoint(tmp_path / "killed", final), checkpoint(tmp_path / "uninterrupted", final)
-    assert_bitwise_equal(resumed, expected)
-    assert resumed["cpu_rng_states"] == expected["cpu_rng_states"]
+    assert_bitwise_equal(resumed, expected)  # each rank's generator state among them
     rows = metric_rows(tmp_path / "logs")
     losses = [row["loss"] for row in rows if row["kind"] == "train"]
     assert losses[-1] < 0.7 * losses[0], losses  # the smoke tests' own bar: learnable in a few dozen steps

@@ -35,6 +35,7 @@ from {{ cookiecutter.package_name }}.distributed import (
     distributed_session,
     select_device,
     setup_logging,
+    side_group,
 )
 from {{ cookiecutter.package_name }}.errors import UsageError
 from {{ cookiecutter.package_name }}.evaluation import evaluate
@@ -72,7 +73,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     # From here on SIGTERM means "save and stop at the next step", and a rank that stops making progress is
     # ended (with its stack logged) so that torchrun restarts the group.
     watchdog = Watchdog(env, store, step_timeout=options.step_timeout, io_timeout=options.io_timeout)
-    stop = StopAgreement()
+    stop = StopAgreement(side_group())
     seed_and_choose_kernels(options, env, device)  # CUDA: a generator seed per rank; cuDNN autotuning
     train_set, eval_set = task.build_datasets(options, env, device)
     train_loader, eval_loader = build_loaders(train_set, eval_set, options, env, device, task.collate)

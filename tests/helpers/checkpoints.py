@@ -25,6 +25,8 @@ def assert_bitwise_equal(actual: dict, expected: dict) -> None:
     for name, tensor in expected["model"].items():
         assert torch.equal(actual["model"][name], tensor), f"model tensor {name} differs"
     assert torch.equal(actual["torch_rng_state"], expected["torch_rng_state"]), "the global RNG continues as it was"
+    if "cpu_rng_states" in expected:
+        assert torch.equal(actual["cpu_rng_states"], expected["cpu_rng_states"]), "each rank's generator continues"
     for index, buffers in expected["optimizer"]["state"].items():
         for name, tensor in buffers.items():
             assert torch.equal(actual["optimizer"]["state"][index][name], tensor), f"optimizer {index}.{name} differs"

@@ -178,15 +178,51 @@ def distributed_session(env: DistEnv, device: torch.device,
                 backend=backend_for(device), store=store, rank=env.rank, world_size=env.world_size,
                 timeout=timeout, device_id=device if device.type == "cuda" else None,
             )
+            SIDE_GROUP.append(start_side_group(timeout))
     try:
         yield address
     finally:
+        SIDE_GROUP.clear()
         if dist.is_initialized():
             # A DDP model caught in a reference cycle is freed by the cycle collector, possibly only at
             # interpreter exit, after the group it holds was destroyed: gloo's threads then abort the process
             # ("terminate called without an active exception", SIGABRT after a job that succeeded).
             gc.collect()
             dist.destroy_process_group()
+
+
+# The process group's gloo companion (side_group()), made with it and dropped with it.
+SIDE_GROUP: list[dist.ProcessGroup] = []
+
+
+def side_group() -> dist.ProcessGroup | None:
+    """A gloo group of every rank beside the main one, for the loop's small agreements on CPU (stop after the
+    same step, a streamed epoch's end), each issued asynchronously one step ahead so that it never waits on
+    the GPU, nor the GPU on it; None without a process group. One for the whole job: another group would be
+    another set of connections."""
+    return SIDE_GROUP[0] if SIDE_GROUP else None
+
+
+def start_side_group(timeout: timedelta) -> dist.ProcessGroup:
+    """Connected lazily (TORCH_GLOO_LAZY_INIT, read when a gloo group is made, torch >= 2.7): a rank connects
+    to a peer when it first exchanges with it, and the one collective used here, an all-reduce (or all-gather)
+    over a ring, has each rank talk to its two neighbours. Eagerly, gloo connects a full mesh at creation:
+    every rank opens N-1 sockets, more than a common `ulimit -n` of 1024 allows at a thousand ranks, and reads
+    every rank's address through rank 0's store, 8 N^3 bytes in all, gigabytes at that size. The main group
+    keeps torch's default: its collectives may talk to any peer. One all-reduce here makes the ring's
+    connections while the job's sockets are being recorded, so DataLoader workers forked later close them
+    (watchdog.close_job_sockets). `timeout`: the main group's (a new group's own default is 30 minutes)."""
+    previous = os.environ.get("TORCH_GLOO_LAZY_INIT")
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    try:
+        group = dist.new_group(backend="gloo", timeout=timeout)
+    finally:
+        if previous is None:
+            del os.environ["TORCH_GLOO_LAZY_INIT"]
+        else:
+            os.environ["TORCH_GLOO_LAZY_INIT"] = previous
+    dist.all_reduce(torch.zeros(1), group=group)
+    return group
 
 
 class PortTaken(RuntimeError):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 
-from .collectives import all_reduce
 from .distributed import DistEnv
 from .options import TrainOptions
 
@@ -37,30 +37,39 @@ def cuda_seed(seed: int, rank: int) -> int:
     return (seed * 1_000_003 + rank) % 2**63
 
 
-def gather_rng_states(env: DistEnv, device: torch.device) -> dict[str, list[list[int]]]:
-    """Every rank's CPU and CUDA generator states, indexed by rank: {"cpu_rng_states": rows, "cuda_rng_states":
-    rows} (CUDA's rows are empty without CUDA). Ranks draw differently once their batches differ (per-sample
-    shapes, CPU dropout on different lengths), so each rank's own state is saved, not the writer's. A
-    collective: each rank fills its own row of a zero table and the all-reduce sum completes it on every rank.
-    Plain lists of ints, so the .pt file loads with weights_only=True and DCP stores the lists whole, whatever
-    the world size."""
+def gather_rng_states(env: DistEnv, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every rank's CPU and CUDA generator states, a row per rank: {"cpu_rng_states": uint8 [ranks, 5056],
+    "cuda_rng_states": uint8 [ranks, 16]} (no columns without CUDA). Ranks draw differently once their batches
+    differ (per-sample shapes, CPU dropout on different lengths), so each rank's own state is saved, not the
+    writer's. A collective: one all-gather of 5 KB a rank. One byte tensor, not lists of ints, which at 4,096
+    ranks made a save pickle 20 million numbers (seconds), and so does every load."""
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.zeros(0, dtype=torch.uint8)
-    table = torch.zeros(env.world_size, cpu.numel() + cuda.numel(), dtype=torch.int64, device=device)
-    table[env.rank] = torch.cat([cpu, cuda]).to(device=device, dtype=torch.int64)
-    rows = all_reduce(table, "sum").tolist()
-    return {"cpu_rng_states": [row[:cpu.numel()] for row in rows],
-            "cuda_rng_states": [row[cpu.numel():] for row in rows]}
+    mine = torch.cat([cpu, cuda]).to(device)
+    table = torch.empty(env.world_size * mine.numel(), dtype=torch.uint8, device=device)
+    if dist.is_initialized():
+        dist.all_gather_into_tensor(table, mine)  # flat: gloo takes no [ranks, row] output
+    else:
+        table.copy_(mine)
+    table = table.cpu().view(env.world_size, mine.numel())
+    return {"cpu_rng_states": table[:, :cpu.numel()].clone(), "cuda_rng_states": table[:, cpu.numel():].clone()}
+
+
+def as_generator_state(saved: torch.Tensor | list[int]) -> torch.Tensor:
+    """A saved generator state as torch takes it: a row of bytes, or a list of ints (saved before rows were
+    bytes)."""
+    # A copy: a row of the table is a view into it, and torch.set_rng_state(view) crashes (SIGSEGV, torch 2.14).
+    return saved.clone() if isinstance(saved, torch.Tensor) else torch.tensor(saved, dtype=torch.uint8)
 
 
 def restore_rng_states(state: dict, env: DistEnv, device: torch.device) -> None:
     """Continue this rank's generators where the checkpoint left them. A rank the saving job did not have (the
     job grew) takes the CPU state of the rank that wrote the file (torch_rng_state) and keeps its fresh CUDA
     seed; so does a checkpoint saved before per-rank CPU states were."""
-    cpu_states, cuda_states = state.get("cpu_rng_states") or [], state.get("cuda_rng_states") or []
+    cpu_states, cuda_states = state.get("cpu_rng_states", []), state.get("cuda_rng_states", [])
     if env.rank < len(cpu_states):
-        torch.set_rng_state(torch.tensor(cpu_states[env.rank], dtype=torch.uint8))
+        torch.set_rng_state(as_generator_state(cpu_states[env.rank]))
     else:
         torch.set_rng_state(state["torch_rng_state"])
-    if device.type == "cuda" and env.rank < len(cuda_states) and cuda_states[env.rank]:
-        torch.cuda.set_rng_state(torch.tensor(cuda_states[env.rank], dtype=torch.uint8), device)
+    if device.type == "cuda" and env.rank < len(cuda_states) and len(cuda_states[env.rank]):
+        torch.cuda.set_rng_state(as_generator_state(cuda_states[env.rank]), device)

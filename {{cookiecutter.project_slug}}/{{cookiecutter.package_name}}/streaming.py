@@ -39,9 +39,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from .distributed import DistEnv
+from .distributed import DistEnv, side_group
 from .errors import UsageError
-from .watchdog import recording_job_sockets
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +263,7 @@ class StreamLoader:
 
     Each batch is one stream's samples in order; with W loader workers, the batches come from the rank's W
     streams in turn, as the DataLoader returns them. Streams run dry at their own time: before each step every
-    rank says whether it has the step's batches (an all-reduce, min, on a gloo group of its own, issued one step
+    rank says whether it has the step's batches (an all-reduce, min, on the job's gloo side group, issued one step
     ahead so that it never waits), and the epoch ends at the first step some rank lacks, on every rank, instead
     of leaving the others waiting in a collective. The batches some ranks had read for that step are not
     trained on in this epoch."""
@@ -280,8 +279,7 @@ class StreamLoader:
         self.sample_log = sample_log
         self.slots = max(num_workers, 1)  # streams per rank
         self.stream_count = env.world_size * self.slots
-        with recording_job_sockets():
-            self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.group = side_group()  # the job's gloo group for small agreements (None: one plain process)
         self.epoch = -1
         self.plan: list[Stream] = []  # this rank's streams as they stood at the epoch's (or the resume's) start
         self.rotation = 0  # which of this rank's streams gives the next batch

@@ -209,7 +209,7 @@ class Watchdog:
         self._store_address = store_address
         if store_address is not None:  # where this process is, so a live rank can end it should it freeze
             store = store_address.connect(timedelta(seconds=30))
-            store.set(f"ddp-template/process/{env.rank}", process_identity(os.getpid()))
+            store.append(processes_key(), f"{env.rank} {process_identity(os.getpid())}\n")
             del store  # closed before DataLoader workers fork
         # The C-level handler writes the signal number here even while the main thread is blocked in C++.
         self._wakeup_read, wakeup_write = os.pipe()
@@ -325,51 +325,88 @@ class Watchdog:
         except Exception as error:  # noqa: BLE001 - the stack above is the report; this is extra
             return f"(no NCCL flight record: {type(error).__name__}: {error})\n"
 
-    def _end_frozen_ranks_on_this_machine(self, store: dist.Store, silent: list[int]) -> None:
-        """A rank that sent no report is stopped or frozen: SIGTERM cannot move it, so torchrun would SIGKILL
-        it only after its shutdown timeout (30 s on the restart path). End it now if it runs here."""
-        for rank in silent:
-            key = f"ddp-template/process/{rank}"
-            if not store.check([key]):
-                continue
-            identity = store.get(key).decode()
-            pid = int(identity.split()[1])
-            if "unknown" not in identity and process_identity(pid) == identity:  # here, and not a reused pid
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-                    sys.stderr.write(f"[rank {self.env.rank}] rank {rank} (process {pid} on this machine) sent no "
-                                     "report: ended with SIGKILL, which is all a stopped process answers\n")
-
     def _share_and_summarize(self, report: dict) -> None:
         if self._store_address is None:
             return
-        store = self._store_address.connect(timedelta(seconds=5))
-        prefix = "ddp-template/hang-report/"
-        store.set(f"{prefix}{self.env.rank}", json.dumps(report))
         # The other live ranks time out within one step of this one: a rank that finished one more step than
         # the stopped rank (which hung after its last collective) beat a step later. A fixed window shorter
         # than a step would count that healthy rank silent, name it, and SIGKILL it.
-        time.sleep(3 + self._longest_step)
-        reports = {rank: json.loads(store.get(f"{prefix}{rank}")) for rank in range(self.env.world_size)
-                   if store.check([f"{prefix}{rank}"])}
-        silent = [rank for rank in range(self.env.world_size) if rank not in reports]
-        self._end_frozen_ranks_on_this_machine(store, silent)
-        if min(reports) == self.env.rank:  # the lowest live rank writes the summary
-            sys.stderr.write(hang_summary(reports, silent, hang_reports_folder(self.env)) + "\n")
+        summary = share_hang_report(self._store_address.connect(timedelta(seconds=5)), self.env.rank,
+                                    self.env.world_size, report, window=3 + self._longest_step,
+                                    flight_records=hang_reports_folder(self.env))
+        if summary is not None:
+            sys.stderr.write(summary + "\n")
             sys.stderr.flush()
+
+
+HANG_REPORTS = "ddp-template/hang-report/"
+
+
+def processes_key(host: str | None = None) -> str:
+    """The store key listing "rank identity" of every rank on one machine (this one by default)."""
+    return f"ddp-template/processes/{host or socket.gethostname()}"
+
+
+def share_hang_report(store: dist.Store, rank: int, world_size: int, report: dict, window: float,
+                      flight_records: Path) -> str | None:
+    """Share this rank's hang report through the job's store, end the ranks on this machine that sent none, and
+    return the summary if this rank is the one to print it (the first to report), else None.
+
+    A constant number of store requests per rank, whatever the size of the job: its report, its rank appended
+    to the job's list and to its machine's, and after the window the machine's lists (the ranks that run here
+    and those of them that reported). One rank, the first to report, reads every report, in one multi_get:
+    rank 0's store answers each request in turn, and N ranks each checking N keys was 2N^2 requests, two
+    million at a thousand ranks, while every rank waited."""
+    host = socket.gethostname()
+    store.set(f"{HANG_REPORTS}{rank}", json.dumps(report))
+    store.append(f"{HANG_REPORTS}reporters", f"{rank},")
+    store.append(f"{HANG_REPORTS}reporters/{host}", f"{rank},")
+    first = store.add(f"{HANG_REPORTS}count", 1) == 1
+    time.sleep(window)
+    end_frozen_ranks_on_this_machine(store, rank, reported=ranks_in(store.get(f"{HANG_REPORTS}reporters/{host}")))
+    if not first:
+        return None
+    reporters = sorted(ranks_in(store.get(f"{HANG_REPORTS}reporters")))
+    reports = dict(zip(reporters, (json.loads(value) for value in
+                                   store.multi_get([f"{HANG_REPORTS}{reporter}" for reporter in reporters])),
+                       strict=True))
+    silent = sorted(set(range(world_size)) - set(reports))
+    return hang_summary(reports, silent, flight_records)
+
+
+def ranks_in(listed: bytes) -> set[int]:
+    return {int(rank) for rank in listed.decode().split(",") if rank}
+
+
+def end_frozen_ranks_on_this_machine(store: dist.Store, rank: int, reported: set[int]) -> None:
+    """A rank that sent no report is stopped or frozen: SIGTERM cannot move it, so torchrun would SIGKILL it
+    only after its shutdown timeout (30 s on the restart path). End it now if it runs here."""
+    if not store.check([processes_key()]):
+        return
+    for line in store.get(processes_key()).decode().splitlines():
+        other, identity = line.split(" ", 1)
+        if int(other) in reported:
+            continue
+        pid = int(identity.split()[1])
+        if "unknown" not in identity and process_identity(pid) == identity:  # here, and not a reused pid
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                sys.stderr.write(f"[rank {rank}] rank {other} (process {pid} on this machine) sent no report: "
+                                 "ended with SIGKILL, which is all a stopped process answers\n")
 
 
 class StopAgreement:
     """Turns "SIGTERM reached some rank" into a stop after the same step on every rank.
 
-    Each step, every rank all-reduces its flag (max) on a gloo group of its own, asynchronously, and reads
+    Each step, every rank all-reduces its flag (max) on the job's gloo side group, asynchronously, and reads
     the result one step later: the collective never waits on the GPU and the GPU never waits on it (a
-    blocking read would cost a host sync per step). Every rank reads the same result at the same step.
+    blocking read would cost a host sync per step). Every rank reads the same result at the same step. On a
+    ring of N ranks the all-reduce takes 2(N-1) hops, a tenth of a second at a thousand ranks: hidden behind
+    a step that takes longer.
     """
 
-    def __init__(self):
-        with recording_job_sockets():
-            self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = group  # distributed.side_group(); None: one plain process
         self.pending: tuple[torch.Tensor, dist.Work | None] | None = None
 
     def agreed(self, received: bool) -> bool:
@@ -402,16 +439,24 @@ WAITING_WORDS = {True: "waiting for other ranks", False: "NOT waiting for other 
 
 def hang_summary(reports: dict[int, dict], silent: list[int], flight_records: Path) -> str:
     """One line naming the rank(s) that stopped: those that sent no report, and those whose main thread was not
-    waiting for others. On NCCL the second cannot be read from a stack, and the flight records name them."""
+    waiting for others. On NCCL the second cannot be read from a stack, and the flight records name them. Runs
+    of ranks that were at the same place are one entry ("ranks 0-1022: ..."), so the line stays short at any
+    size."""
     not_waiting = [rank for rank, seen in reports.items() if seen["waiting_for_others"] is False]
     unknown = any(seen["waiting_for_others"] is None for seen in reports.values())
-    stopped = silent + not_waiting
+    stopped = sorted(silent + not_waiting)
     waiting = {True: "waiting for others", False: "not waiting", None: "unknown on NCCL"}
-    where = "; ".join(f"rank {rank}: step {seen['step']}, {seen['phase']}, {waiting[seen['waiting_for_others']]}"
-                      for rank, seen in sorted(reports.items()))
+    places: list[tuple[str, list[int]]] = []  # (where, the ranks there), runs of consecutive ranks
+    for rank, seen in sorted(reports.items()):
+        place = f"step {seen['step']}, {seen['phase']}, {waiting[seen['waiting_for_others']]}"
+        if places and places[-1][0] == place and places[-1][1][-1] == rank - 1:
+            places[-1][1].append(rank)
+        else:
+            places.append((place, [rank]))
+    where = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {rank_ranges(ranks)}: {place}" for place, ranks in places)
     if stopped:
-        culprit = (f"rank(s) {', '.join(map(str, stopped))} stopped making progress"
-                   + (f" ({', '.join(map(str, silent))} sent no report: stopped, or frozen)" if silent else ""))
+        culprit = (f"rank(s) {rank_ranges(stopped)} stopped making progress"
+                   + (f" ({rank_ranges(silent)} sent no report: stopped, or frozen)" if silent else ""))
     elif unknown:
         culprit = (f"no rank named by its stack on NCCL; `python -m torch.distributed.flight_recorder.fr_trace "
                    f"{flight_records}` shows which collective each rank reached")
@@ -419,6 +464,17 @@ def hang_summary(reports: dict[int, dict], silent: list[int], flight_records: Pa
         culprit = "every rank waits for the others: ranks called different collectives"
     return (f"HANG: {culprit}. Where each rank was: {where}. Stacks above; exiting so torchrun restarts the "
             "group from the last checkpoint.")
+
+
+def rank_ranges(ranks: list[int]) -> str:
+    """[1, 2, 3, 7] as "1-3, 7"."""
+    runs: list[list[int]] = []
+    for rank in sorted(ranks):
+        if runs and runs[-1][-1] == rank - 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    return ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
 
 
 def process_identity(pid: int) -> str:

@@ -151,15 +151,23 @@ class ShardedCheckpointer(Checkpointer):
 
     def read(self, source: Path, components: set[str]) -> dict:
         from torch.distributed import checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-        top_level, progress_fields = saved_names(source)
+        metadata = FileSystemReader(str(source)).read_metadata().state_dict_metadata
+        top_level, progress_fields = saved_names(source, metadata)
         # The shape to fill, less what the folder does not hold (DCP refuses a key it cannot find).
         # An empty state (a disabled gradient scaler) adds no key to a folder, and none to the load either.
         state = {name: value for name, value in self._state(TrainingProgress(), world_size=0).items()
                  if (name in top_level or value == {}) and (name in components or name not in self.components)}
         state["progress"] = {name: value for name, value in state["progress"].items()
                              if name in progress_fields | {"world_size"}}
+        for name in ("cpu_rng_states", "cuda_rng_states"):  # a row per rank of the job that saved: its size
+            if isinstance(saved := metadata.get(name), TensorStorageMetadata):
+                state[name] = torch.empty(saved.size, dtype=torch.uint8)
+            elif saved is not None:  # saved as lists before the rows were bytes: DCP replaces the list whole
+                state[name] = []
         dcp.load(state, checkpoint_id=source)  # into this rank's shards, from whichever ranks saved them
         model = self.components["model"]
         for name in [name for name in self.components if name in self.restored_by_read & components]:  # collectives:
@@ -170,12 +178,14 @@ class ShardedCheckpointer(Checkpointer):
         return state
 
 
-def saved_names(source: Path) -> tuple[set[str], set[str]]:
-    """(the top-level names a DCP folder holds, the progress fields it holds). Its metadata names every value by
-    its path in the state dict: model.<parameter>, progress.step, torch_rng_state."""
+def saved_names(source: Path, metadata: dict | None = None) -> tuple[set[str], set[str]]:
+    """(the top-level names a DCP folder holds, the progress fields it holds). Its metadata (read here unless
+    given) names every value by its path in the state dict: model.<parameter>, progress.step, torch_rng_state."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    paths = [path.split(".") for path in FileSystemReader(str(source)).read_metadata().state_dict_metadata]
+    if metadata is None:
+        metadata = FileSystemReader(str(source)).read_metadata().state_dict_metadata
+    paths = [path.split(".") for path in metadata]
     return {path[0] for path in paths}, {path[1] for path in paths if path[0] == "progress" and len(path) > 1}
 
 
