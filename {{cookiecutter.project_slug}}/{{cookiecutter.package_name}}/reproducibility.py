@@ -46,12 +46,12 @@ def gather_rng_states(env: DistEnv, device: torch.device) -> dict[str, torch.Ten
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.zeros(0, dtype=torch.uint8)
     mine = torch.cat([cpu, cuda]).to(device)
-    table = torch.empty(env.world_size * mine.numel(), dtype=torch.uint8, device=device)
+    table = torch.empty(env.world_size, mine.numel(), dtype=torch.uint8, device=device)
     if dist.is_initialized():
-        dist.all_gather_into_tensor(table, mine)  # flat: gloo takes no [ranks, row] output
+        dist.all_gather(list(table.unbind(0)), mine)  # into the table's rows
     else:
-        table.copy_(mine)
-    table = table.cpu().view(env.world_size, mine.numel())
+        table[0] = mine
+    table = table.cpu()
     return {"cpu_rng_states": table[:, :cpu.numel()].clone(), "cuda_rng_states": table[:, cpu.numel():].clone()}
 
 

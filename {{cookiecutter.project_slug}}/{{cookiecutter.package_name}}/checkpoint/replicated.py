@@ -7,10 +7,12 @@ import os
 import pickle
 import tempfile
 import zipfile
-from dataclasses import asdict, fields
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from ..collectives import all_reduce_int, broadcast_object, first_node_on_its_storage, from_first_rank_with
 from ..errors import UsageError
@@ -73,7 +75,7 @@ def load_newest_valid(ckpt_dir: Path) -> tuple[tuple[Path, dict] | None, str | N
     away."""
     for step, path in list_checkpoints(ckpt_dir):
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = load_mapped(path)
         except OSError as error:
             return None, f"{path} cannot be read ({error.strerror or error}); fix the storage and run again"
         except Exception as error:  # noqa: BLE001 - torn, or whole and refused
@@ -96,6 +98,13 @@ def load_newest_valid(ckpt_dir: Path) -> tuple[tuple[Path, dict] | None, str | N
                           "or use another --ckpt-dir")
         return (path, state), None
     return None, None
+
+
+def load_mapped(path: Path) -> dict:
+    """A checkpoint, weights-only, its tensors mapped from the file rather than read into this process: the
+    ranks of a machine share one copy in the page cache, where each held a whole copy of its own, and a tensor
+    costs memory only once written to (copy-on-write: the file never changes)."""
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
 
 
 def is_torn(path: Path) -> bool:
@@ -125,6 +134,48 @@ def delete_old_checkpoints(ckpt_dir: Path, keep: int, just_written: Path) -> Non
             path.unlink(missing_ok=True)
 
 
+def broadcast_tensor_by_tensor(state: dict | None, source: int, device: torch.device) -> dict:
+    """`source`'s state on every rank: its structure as one small object, then each tensor on its own through
+    `device` (NCCL's). Pickling the whole state into one object to broadcast held two copies of it on every
+    rank, in host memory and again on the GPU (broadcast_object_list), at once."""
+    tensors: list[torch.Tensor] = []
+
+    def hollow(value):  # the structure, each tensor replaced by its place in `tensors`
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+            return TensorSlot(len(tensors) - 1, tuple(value.shape), value.dtype)
+        if isinstance(value, (dict, list, tuple)):
+            return walk(value, hollow)
+        return value
+
+    def fill(value):  # every rank walks the same structure in the same order: the broadcasts pair up
+        if isinstance(value, TensorSlot):
+            buffer = (tensors[value.index].to(device) if tensors
+                      else torch.empty(value.shape, dtype=value.dtype, device=device))
+            dist.broadcast(buffer, src=source)
+            return buffer.cpu()
+        if isinstance(value, (dict, list, tuple)):
+            return walk(value, fill)
+        return value
+
+    return fill(broadcast_object(hollow(state) if state is not None else None, source_rank=source))
+
+
+def walk(container: dict | list | tuple, visit: Callable) -> dict | list | tuple:
+    if isinstance(container, dict):
+        return {key: visit(item) for key, item in container.items()}
+    return type(container)(visit(item) for item in container)
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """A tensor's place in a state sent by broadcast_tensor_by_tensor."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
 def training_state(components: dict, progress: TrainingProgress, world_size: int) -> dict:
     """Only tensors and primitives, so it loads with weights_only=True."""
     return {
@@ -143,7 +194,9 @@ class ReplicatedCheckpointer(Checkpointer):
     DDP keeps every replica's parameters identical and buffers are synced from rank 0 before saving, so one
     copy is the whole state. On a shared filesystem rank 0 alone writes it; on node-local disks the first rank
     of each node writes its node's copy, because after a restart rank 0 may land on another machine.
-    Resuming, the ranks agree on the newest valid step any node holds and the rank that holds it broadcasts it.
+    Resuming, the ranks agree on the newest valid step any node holds. Where every rank sees that file (a
+    shared folder, or every node has its copy) each maps it itself; else the rank that holds it sends it, one
+    tensor at a time.
     """
 
     def __init__(self, options, env, device, **components):
@@ -182,9 +235,15 @@ class ReplicatedCheckpointer(Checkpointer):
         best_step = all_reduce_int(own_step, self.device, "max")
         if best_step < 0:
             return None
-        # The lowest rank holding the newest step sends it; with a shared folder that is rank 0.
-        source = all_reduce_int(self.env.rank if own_step == best_step else self.env.world_size, self.device, "min")
-        path, self._newest_state = broadcast_object(newest if self.env.rank == source else None, source_rank=source)
+        path = checkpoint_path(self.ckpt_dir, best_step)
+        if all_reduce_int(int(path.is_file()), self.device, "min"):  # every rank can read it
+            self._newest_state = newest[1] if own_step == best_step else load_mapped(path)
+        else:  # the lowest rank holding the newest step sends it
+            source = all_reduce_int(self.env.rank if own_step == best_step else self.env.world_size, self.device,
+                                    "min")
+            path = broadcast_object(newest[0] if self.env.rank == source else None, source_rank=source)
+            self._newest_state = broadcast_tensor_by_tensor(newest[1] if self.env.rank == source else None, source,
+                                                            self.device)
         return path, self._newest_state.get("options")
 
     def saved_entries(self, source: Path) -> tuple[set[str], set[str]]:
