@@ -15,11 +15,9 @@ import argparse
 import dataclasses
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from .checkpoint import missing_pieces
 from .checkpoint.folder import every_checkpoint
@@ -44,13 +42,27 @@ def load_checkpoint(checkpoint: Path) -> tuple[dict[str, torch.Tensor], dict, in
     if checkpoint.is_dir():
         if problem := missing_pieces(checkpoint):
             raise SystemExit(f"error: {checkpoint} is not a complete checkpoint ({problem})")
-        with tempfile.TemporaryDirectory() as scratch:  # DCP reassembles every shard into one torch.save file
-            whole = Path(scratch) / "whole.pt"
-            dcp_to_torch_save(checkpoint, whole)
-            state = torch.load(whole, weights_only=True)
+        state = model_and_step(checkpoint)
         return state["model"], saved_options(checkpoint) or {}, int(state["progress"]["step"])
     state = torch.load(checkpoint, map_location="cpu", weights_only=True)
     return state["model"], state.get("options", {}), int(state["step"])
+
+
+def model_and_step(folder: Path) -> dict:
+    """{"model": the whole model's state_dict, "progress": {"step": N}} from a DCP folder, in this one process:
+    DCP reads each parameter's shards from every rank's file into one tensor. Only the model's values are read,
+    not the optimizer's moments beside them (twice the model's size for Adam), nor written to a scratch file
+    first, as DCP's own dcp_to_torch_save does."""
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    model = {name.removeprefix("model."): (torch.empty(value.size, dtype=value.properties.dtype)
+                                            if isinstance(value, TensorStorageMetadata) else None)
+             for name, value in saved.items() if name.startswith("model.")}
+    state = {"model": model, "progress": {"step": 0}}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=True)
+    return state
 
 
 def one_storage_each(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -209,7 +209,7 @@ class Watchdog:
         self._store_address = store_address
         if store_address is not None:  # where this process is, so a live rank can end it should it freeze
             store = store_address.connect(timedelta(seconds=30))
-            store.append(processes_key(), f"{env.rank} {process_identity(os.getpid())}\n")
+            store.append(processes_key(socket.gethostname()), f"{env.rank} {process_identity(os.getpid())}\n")
             del store  # closed before DataLoader workers fork
         # The C-level handler writes the signal number here even while the main thread is blocked in C++.
         self._wakeup_read, wakeup_write = os.pipe()
@@ -333,7 +333,7 @@ class Watchdog:
         # than a step would count that healthy rank silent, name it, and SIGKILL it.
         summary = share_hang_report(self._store_address.connect(timedelta(seconds=5)), self.env.rank,
                                     self.env.world_size, report, window=3 + self._longest_step,
-                                    flight_records=hang_reports_folder(self.env))
+                                    flight_records=hang_reports_folder(self.env), host=socket.gethostname())
         if summary is not None:
             sys.stderr.write(summary + "\n")
             sys.stderr.flush()
@@ -342,13 +342,13 @@ class Watchdog:
 HANG_REPORTS = "ddp-template/hang-report/"
 
 
-def processes_key(host: str | None = None) -> str:
-    """The store key listing "rank identity" of every rank on one machine (this one by default)."""
-    return f"ddp-template/processes/{host or socket.gethostname()}"
+def processes_key(host: str) -> str:
+    """The store key listing "rank identity" of every rank on the machine named `host`."""
+    return f"ddp-template/processes/{host}"
 
 
 def share_hang_report(store: dist.Store, rank: int, world_size: int, report: dict, window: float,
-                      flight_records: Path) -> str | None:
+                      flight_records: Path, host: str) -> str | None:
     """Share this rank's hang report through the job's store, end the ranks on this machine that sent none, and
     return the summary if this rank is the one to print it (the first to report), else None.
 
@@ -356,14 +356,13 @@ def share_hang_report(store: dist.Store, rank: int, world_size: int, report: dic
     to the job's list and to its machine's, and after the window the machine's lists (the ranks that run here
     and those of them that reported). One rank, the first to report, reads every report, in one multi_get:
     rank 0's store answers each request in turn, and N ranks each checking N keys was 2N^2 requests, two
-    million at a thousand ranks, while every rank waited."""
-    host = socket.gethostname()
+    million at a thousand ranks, while every rank waited. `host`: this machine's name."""
     store.set(f"{HANG_REPORTS}{rank}", json.dumps(report))
     store.append(f"{HANG_REPORTS}reporters", f"{rank},")
     store.append(f"{HANG_REPORTS}reporters/{host}", f"{rank},")
     first = store.add(f"{HANG_REPORTS}count", 1) == 1
     time.sleep(window)
-    end_frozen_ranks_on_this_machine(store, rank, reported=ranks_in(store.get(f"{HANG_REPORTS}reporters/{host}")))
+    end_frozen_ranks_on_this_machine(store, rank, host, reported=ranks_in(store.get(f"{HANG_REPORTS}reporters/{host}")))
     if not first:
         return None
     reporters = sorted(ranks_in(store.get(f"{HANG_REPORTS}reporters")))
@@ -378,12 +377,12 @@ def ranks_in(listed: bytes) -> set[int]:
     return {int(rank) for rank in listed.decode().split(",") if rank}
 
 
-def end_frozen_ranks_on_this_machine(store: dist.Store, rank: int, reported: set[int]) -> None:
+def end_frozen_ranks_on_this_machine(store: dist.Store, rank: int, host: str, reported: set[int]) -> None:
     """A rank that sent no report is stopped or frozen: SIGTERM cannot move it, so torchrun would SIGKILL it
     only after its shutdown timeout (30 s on the restart path). End it now if it runs here."""
-    if not store.check([processes_key()]):
+    if not store.check([processes_key(host)]):
         return
-    for line in store.get(processes_key()).decode().splitlines():
+    for line in store.get(processes_key(host)).decode().splitlines():
         other, identity = line.split(" ", 1)
         if int(other) in reported:
             continue

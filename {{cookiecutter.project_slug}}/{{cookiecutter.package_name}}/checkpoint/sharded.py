@@ -7,10 +7,12 @@ and DCP has written the folder's .metadata, so a crash mid-save never leaves a f
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
 import shutil
+import threading
 import uuid
 from dataclasses import asdict
 from pathlib import Path
@@ -90,6 +92,8 @@ class ShardedCheckpointer(Checkpointer):
             for leftover in self.ckpt_dir.glob(".step-*.partial"):
                 shutil.rmtree(leftover, ignore_errors=True)
                 log.warning("removed %s, left by a save that was interrupted", leftover)
+            for leftover in self.ckpt_dir.glob(".step-*.deleting-*"):  # retention cut short by the job's end
+                shutil.rmtree(leftover, ignore_errors=True)
         barrier(device)
         # The model and every optimizer, whatever its name, go through torch's distributed state_dict API:
         # parameter names without wrapper prefixes, optimizer state keyed by those names (not by position) and
@@ -98,6 +102,9 @@ class ShardedCheckpointer(Checkpointer):
         self.restored_by_read = frozenset(
             name for name, component in components.items()
             if name == "model" or isinstance(component, torch.optim.Optimizer))
+        self._metadata: tuple[Path, dict] | None = None  # (folder, DCP's index of it), read once per resume
+        self._planner = save_planner()
+        self._deleting: threading.Thread | None = None
 
     def _state(self, progress: TrainingProgress, world_size: int) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -120,43 +127,66 @@ class ShardedCheckpointer(Checkpointer):
 
         final = self.ckpt_dir / f"step-{progress.step}"
         partial = self.ckpt_dir / f".step-{progress.step}.partial"
-        dcp.save(self._state(progress, self.env.world_size), checkpoint_id=partial)  # all shards and .metadata
+        # All shards and .metadata.
+        dcp.save(self._state(progress, self.env.world_size), checkpoint_id=partial, planner=self._planner)
         if self.env.is_main_process:
             write_json(partial / OPTIONS_FILE, every_option(self.options), durable=True)
             publish(partial, final)
-            for _, old in list_sharded_checkpoints(self.ckpt_dir)[self.keep:]:
-                if old != final:  # never the one just written, whatever steps older folders claim
-                    shutil.rmtree(old, ignore_errors=True)
+            self.delete_in_background([old for _, old in list_sharded_checkpoints(self.ckpt_dir)[self.keep:]
+                                       if old != final])  # never the one just written, whatever older ones claim
         barrier(self.device)
         return final if self.env.is_main_process else None
 
+    def delete_in_background(self, folders: list[Path]) -> None:
+        """Retention without keeping every rank waiting (at the barrier after a save, or in the next step's
+        collective) while rank 0 deletes a folder of one file per rank: each is renamed out of the checkpoints
+        at once, then deleted by a thread (as torchtitan purges). One deletion at a time; what a killed job
+        leaves half deleted, the next start removes."""
+        doomed = []
+        for folder in folders:
+            aside = folder.with_name(f".{folder.name}.deleting-{uuid.uuid4().hex}")
+            os.replace(folder, aside)
+            doomed.append(aside)
+        if self._deleting is not None:
+            self._deleting.join()
+        self._deleting = threading.Thread(target=lambda: [shutil.rmtree(aside, ignore_errors=True)
+                                                          for aside in doomed], name="checkpoint-retention")
+        self._deleting.start()
+
     def find_newest(self) -> tuple[Path, dict | None] | None:
-        candidates = []
-        if self.env.is_main_process:
+        newest = None
+        if self.env.is_main_process:  # the newest complete folder: only its shards are checked
             for _, folder in list_sharded_checkpoints(self.ckpt_dir):
-                if problem := missing_pieces(folder):
-                    log.warning("skipping incomplete checkpoint %s (%s)", folder, problem)
-                else:
-                    candidates.append(folder)
-        candidates = broadcast_object(candidates)
-        if not candidates:
+                if not (problem := missing_pieces(folder)):
+                    newest = folder
+                    break
+                log.warning("skipping incomplete checkpoint %s (%s)", folder, problem)
+        newest = broadcast_object(newest)
+        if newest is None:
             return None
-        return candidates[0], saved_options(candidates[0])
+        return newest, saved_options(newest)
+
+    def saved_metadata(self, source: Path) -> dict:
+        """DCP's index of `source` (path in the state dict -> what is stored), read once per resume."""
+        from torch.distributed.checkpoint import FileSystemReader
+
+        if self._metadata is None or self._metadata[0] != source:
+            self._metadata = source, FileSystemReader(str(source)).read_metadata().state_dict_metadata
+        return self._metadata[1]
 
     def saved_entries(self, source: Path) -> tuple[set[str], set[str]]:
-        top_level, progress_fields = saved_names(source)
+        top_level, progress_fields = saved_names(self.saved_metadata(source))
         empty = {name for name, component in self.components.items() if not component.state_dict()}
         return (top_level | empty) - {"torch_rng_state", "cpu_rng_states", "cuda_rng_states", "progress"}, \
             progress_fields
 
     def read(self, source: Path, components: set[str]) -> dict:
         from torch.distributed import checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-        metadata = FileSystemReader(str(source)).read_metadata().state_dict_metadata
-        top_level, progress_fields = saved_names(source, metadata)
+        metadata = self.saved_metadata(source)
+        top_level, progress_fields = saved_names(metadata)
         # The shape to fill, less what the folder does not hold (DCP refuses a key it cannot find).
         # An empty state (a disabled gradient scaler) adds no key to a folder, and none to the load either.
         state = {name: value for name, value in self._state(TrainingProgress(), world_size=0).items()
@@ -168,7 +198,8 @@ class ShardedCheckpointer(Checkpointer):
                 state[name] = torch.empty(saved.size, dtype=torch.uint8)
             elif saved is not None:  # saved as lists before the rows were bytes: DCP replaces the list whole
                 state[name] = []
-        dcp.load(state, checkpoint_id=source)  # into this rank's shards, from whichever ranks saved them
+        # Into this rank's shards, from whichever ranks saved them (DCP reads the index once more, itself).
+        dcp.load(state, checkpoint_id=source)
         model = self.components["model"]
         for name in [name for name in self.components if name in self.restored_by_read & components]:  # collectives:
             if name == "model":  # the same order on every rank
@@ -178,13 +209,19 @@ class ShardedCheckpointer(Checkpointer):
         return state
 
 
-def saved_names(source: Path, metadata: dict | None = None) -> tuple[set[str], set[str]]:
-    """(the top-level names a DCP folder holds, the progress fields it holds). Its metadata (read here unless
-    given) names every value by its path in the state dict: model.<parameter>, progress.step, torch_rng_state."""
-    from torch.distributed.checkpoint import FileSystemReader
+def save_planner():
+    """DCP's default planner, with its plan cached where this torch offers it (2.7 and later): a save's plan is
+    gathered to rank 0 and checked there, N plans on one rank, and every save of one model is planned alike."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
 
-    if metadata is None:
-        metadata = FileSystemReader(str(source)).read_metadata().state_dict_metadata
+    if "enable_plan_caching" in inspect.signature(DefaultSavePlanner).parameters:
+        return DefaultSavePlanner(enable_plan_caching=True)
+    return DefaultSavePlanner()
+
+
+def saved_names(metadata: dict) -> tuple[set[str], set[str]]:
+    """(the top-level names a DCP folder holds, the progress fields it holds), from its metadata, which names
+    every value by its path in the state dict: model.<parameter>, progress.step, torch_rng_state."""
     paths = [path.split(".") for path in metadata]
     return {path[0] for path in paths}, {path[1] for path in paths if path[0] == "progress" and len(path) > 1}
 
