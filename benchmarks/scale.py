@@ -264,7 +264,9 @@ def figure(value: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[8, 64, 512])
+    parser.add_argument("--rng-sizes", type=int, nargs="+", default=[8, 64, 512, 1024, 4096])
     parser.add_argument("--mesh-up-to", type=int, default=64, help="largest N for the eager full mesh")
+    parser.add_argument("--json", help="also write every figure here, {table: {N: {cost: value}}}")
     args = parser.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the full mesh of N threads holds N(N-1) ends
@@ -275,23 +277,25 @@ def main() -> None:
 
     print(f"torch {torch.__version__}; {os.cpu_count()} cores; ranks are threads of one process\n")
     side = ["store requests", "store bytes", "sockets", "creation s", "all-reduce s"]
-    print(table("Side group, eager (full mesh): before", {n: side_group(n, lazy=False) for n in args.sizes
-                                                          if n <= args.mesh_up_to}, side), flush=True)
-    print(table("Side group, lazy (ring): now", {n: side_group(n, lazy=True) for n in args.sizes}, side),
-          flush=True)
     rng = ["save s", "load s", "bytes"]
-    rng_sizes = sorted({*args.sizes, 1024, 4096})
-    print(table("Generator states as lists of ints: before", {n: generator_states(n, True) for n in rng_sizes},
-                rng), flush=True)
-    print(table("Generator states as one uint8 tensor: now", {n: generator_states(n, False) for n in rng_sizes},
-                rng), flush=True)
     hang = ["store requests", "store bytes", "seconds", "summary chars"]
-    print(table("Hang report: before", {n: hang_report(n, watchdog, before=True) for n in args.sizes}, hang[:3]),
-          flush=True)
-    print(table("Hang report: now", {n: hang_report(n, watchdog, before=False) for n in args.sizes}, hang),
-          flush=True)
-    print("Per rank, except seconds: until the last of the N simulated ranks was done; exponent: the slope of log(cost) over log(N); "
-          "~N: extrapolated along it.")
+    tables = {
+        "Side group, eager (full mesh): before": (side, lambda n: side_group(n, lazy=False),
+                                                  [n for n in args.sizes if n <= args.mesh_up_to]),
+        "Side group, lazy (ring): now": (side, lambda n: side_group(n, lazy=True), args.sizes),
+        "Generator states as lists of ints: before": (rng, lambda n: generator_states(n, True), args.rng_sizes),
+        "Generator states as one uint8 tensor: now": (rng, lambda n: generator_states(n, False), args.rng_sizes),
+        "Hang report: before": (hang[:3], lambda n: hang_report(n, watchdog, before=True), args.sizes),
+        "Hang report: now": (hang, lambda n: hang_report(n, watchdog, before=False), args.sizes),
+    }
+    results = {}
+    for title, (costs, measure, sizes) in tables.items():
+        results[title] = {n: measure(n) for n in sizes}
+        print(table(title, results[title], costs), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    print("Per rank, except seconds: until the last of the N simulated ranks was done; exponent: the slope of "
+          "log(cost) over log(N); ~N: extrapolated along it.")
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     sys.stdout.flush()
     os._exit(0)  # gloo's threads of the groups made here need not be joined
