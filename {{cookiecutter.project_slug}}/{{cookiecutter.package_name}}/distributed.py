@@ -204,14 +204,15 @@ def side_group() -> dist.ProcessGroup | None:
 
 
 def start_side_group(timeout: timedelta) -> dist.ProcessGroup:
-    """Connected lazily (TORCH_GLOO_LAZY_INIT, read when a gloo group is made, torch >= 2.7): a rank connects
-    to a peer when it first exchanges with it, and the one collective used here, an all-reduce (or all-gather)
-    over a ring, has each rank talk to its two neighbours. Eagerly, gloo connects a full mesh at creation:
-    every rank opens N-1 sockets, more than a common `ulimit -n` of 1024 allows at a thousand ranks, and reads
-    every rank's address through rank 0's store, 8 N^3 bytes in all, gigabytes at that size. The main group
-    keeps torch's default: its collectives may talk to any peer. One all-reduce here makes the ring's
-    connections while the job's sockets are being recorded, so DataLoader workers forked later close them
-    (watchdog.close_job_sockets). `timeout`: the main group's (a new group's own default is 30 minutes)."""
+    """Connected lazily (TORCH_GLOO_LAZY_INIT, read when a gloo group is made; torch 2.8 and later,
+    pytorch/pytorch#150801): a rank connects to a peer when it first exchanges with it, and the collectives used
+    here, all-reduce and all-gather over a ring, have each rank talk to its two neighbours. Eagerly (older
+    torch), gloo connects a full mesh at creation: every rank opens N-1 sockets, more than a common
+    `ulimit -n` of 1024 allows at a thousand ranks, and reads every rank's address through rank 0's store,
+    8 N^3 bytes in all, gigabytes at that size. The main group keeps torch's default: its collectives may talk
+    to any peer. One all-reduce here makes the ring's connections while the job's sockets are being recorded,
+    so DataLoader workers forked later close them (watchdog.close_job_sockets). `timeout`: the main group's
+    (a new group's own default is 30 minutes)."""
     previous = os.environ.get("TORCH_GLOO_LAZY_INIT")
     os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
     try:

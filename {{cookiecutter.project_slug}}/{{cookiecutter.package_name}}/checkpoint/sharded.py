@@ -210,8 +210,9 @@ class ShardedCheckpointer(Checkpointer):
 
 
 def save_planner():
-    """DCP's default planner, with its plan cached where this torch offers it (2.7 and later): a save's plan is
-    gathered to rank 0 and checked there, N plans on one rank, and every save of one model is planned alike."""
+    """DCP's default planner, caching plans where this torch offers it: every save gathers each rank's plan to
+    rank 0, which checks and merges them (N plans on one rank); with the cache, a rank whose plan is the last
+    save's (every save of one model, after the first) sends an empty one and reuses the merged plan."""
     from torch.distributed.checkpoint import DefaultSavePlanner
 
     if "enable_plan_caching" in inspect.signature(DefaultSavePlanner).parameters:
