@@ -200,6 +200,30 @@ def test_a_sigterm_before_the_first_timed_step_leaves_that_step_time_to_end(defa
     assert time.monotonic() - started < 25, result.stderr
 
 
+SLOW_FIRST_STEP_AFTER_THE_EVALUATION_CHECK = """
+import time
+from ddp_training.distributed import DistEnv
+from ddp_training.watchdog import Watchdog
+watchdog = Watchdog(DistEnv(), None, step_timeout=1, io_timeout=60)
+with watchdog.slow_phase("checking evaluation on one batch"):  # train.py's, before the first step
+    pass
+time.sleep(2.5)  # the first step, compiling: longer than --step-timeout, within --io-timeout
+print("first step done", flush=True)
+watchdog.beat(1)
+time.sleep(5)  # the second step hangs
+print("second step done", flush=True)
+"""
+
+
+def test_the_first_step_has_start_ups_allowance_even_after_the_evaluation_check(default_project):
+    # The check ended in a training step's allowance: a first step that compiled for longer than
+    # --step-timeout was taken for a hang, at every restart.
+    result = run([str(BIN / "python"), "-c", SLOW_FIRST_STEP_AFTER_THE_EVALUATION_CHECK], cwd=default_project,
+                 timeout=60)
+    assert "first step done" in result.stdout and "second step done" not in result.stdout, result.stdout
+    assert result.returncode == 124 and "in training step (step 2)" in result.stderr, result.stderr
+
+
 def test_on_nccl_the_hang_report_uses_torchs_flight_recorder(baked_train, tmp_path, monkeypatch):
     # NCCL collectives return once queued, so a healthy rank's stack is not "waiting for others" and cannot
     # name the stopped rank; torch's flight recorder, dumped on every rank when one times out, can.

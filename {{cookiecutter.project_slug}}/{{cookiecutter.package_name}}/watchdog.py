@@ -52,6 +52,8 @@ EXIT_CODE_AFTER_HANG = 124
 # as waiting for a peer that has gone: torchrun sends SIGKILL 30 s after SIGTERM (unless
 # TORCH_ELASTIC_SHUTDOWN_TIMEOUT says otherwise), which leaves some seconds to save.
 PATIENCE_BEFORE_A_TIMED_STEP = 20.0
+# On NCCL, how long after a collective's own timeout this thread reports a hang (Watchdog._bound_collectives).
+NCCL_FIRST = 30.0
 # Set while this rank's watchdog reports a hang, which ends with os._exit: a main thread whose collective
 # fails meanwhile (the stopped rank has left) waits for the report instead of exiting first (failure.py).
 REPORTING_A_HANG = threading.Event()
@@ -204,8 +206,10 @@ class Watchdog:
         self.sigterm_received = False
         self._sigterm_seen_at: float | None = None
         self._phase = Phase("starting", 0, True, time.monotonic())
-        self._longest_step = 0.0
+        self._longest_step = 0.0  # of the steps after the first
+        self._first_step = 0.0  # the first's, compilation and autotuning included
         self._main_thread = threading.main_thread().ident
+        self._nccl = dist.is_initialized() and dist.get_backend() == "nccl"
         self._store_address = store_address
         if store_address is not None:  # where this process is, so a live rank can end it should it freeze
             store = store_address.connect(timedelta(seconds=30))
@@ -241,19 +245,37 @@ class Watchdog:
         now = time.monotonic()
         if not self._phase.slow:
             self._longest_step = max(self._longest_step, now - self._phase.since)
+        else:  # the first step (start-up's end): collectives get a step's time from here
+            self._first_step = self._first_step or now - self._phase.since  # compilation and all
+            self._bound_collectives(slow=False)
         self._phase = Phase("training step", step + 1, False, now)
 
     @contextlib.contextmanager
     def slow_phase(self, what: str) -> Iterator[None]:
-        """Checkpoint I/O, evaluation: allowed `io_timeout`, not `step_timeout`."""
-        step = self._phase.step
-        self._phase = Phase(what, step, True, time.monotonic())
+        """Checkpoint I/O, evaluation: allowed `io_timeout`, not `step_timeout`. Afterwards the phase it
+        interrupted continues with its allowance: a training step, or start-up (whose first step, with its
+        compilation and autotuning, is still a slow phase after the evaluation check before it)."""
+        interrupted = self._phase
+        self._bound_collectives(slow=True)
+        self._phase = Phase(what, interrupted.step, True, time.monotonic())
         self._arm_backstop(self._phase)
         try:
             yield
         finally:
-            self._phase = Phase("training step", step, False, time.monotonic())
+            self._bound_collectives(slow=interrupted.slow)
+            self._phase = interrupted._replace(since=time.monotonic())
             self._arm_backstop(self._phase)
+
+    def _bound_collectives(self, slow: bool) -> None:
+        """On NCCL, each collective's own timeout is its phase's allowance, so that NCCL's watchdog, in C++,
+        times a stuck collective out first, dumps every rank's flight record (TORCH_NCCL_DUMP_ON_TIMEOUT, even
+        where Python is wedged) and aborts; this thread reports NCCL_FIRST seconds later, where it did not.
+        Under one bound for everything (the process group's, set for start-up) NCCL would wait half an hour
+        behind this thread, and never dump. torchtitan shortens it after the first step the same way. On gloo
+        this thread's report, which names the rank by its stack, comes first: its timeout stays the bound."""
+        if self._nccl:
+            set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout  # older torch
+            set_timeout(timedelta(seconds=self.io_timeout if slow else self.step_timeout))
 
     def _watch(self) -> None:
         armed_for = self._phase  # armed by __init__
@@ -266,7 +288,8 @@ class Watchdog:
                     self.sigterm_received = True
                     self._sigterm_seen_at = self._sigterm_seen_at or time.monotonic()
             phase, now = self._phase, time.monotonic()
-            if now - phase.since > (self.io_timeout if phase.slow else self.step_timeout):
+            allowed = (self.io_timeout if phase.slow else self.step_timeout) + (NCCL_FIRST if self._nccl else 0)
+            if now - phase.since > allowed:
                 self._end_after_hang(phase.what, phase.step, now - phase.since)
             # In a preemption every rank soon reaches the next step and stops there together; a rank still
             # inside the same training step a few step times after SIGTERM waits for a peer that has gone.
@@ -332,7 +355,8 @@ class Watchdog:
         # the stopped rank (which hung after its last collective) beat a step later. A fixed window shorter
         # than a step would count that healthy rank silent, name it, and SIGKILL it.
         summary = share_hang_report(self._store_address.connect(timedelta(seconds=5)), self.env.rank,
-                                    self.env.world_size, report, window=3 + self._longest_step,
+                                    self.env.world_size, report,
+                                    window=3 + (self._longest_step or self._first_step),
                                     flight_records=hang_reports_folder(self.env), host=socket.gethostname())
         if summary is not None:
             sys.stderr.write(summary + "\n")
