@@ -42,7 +42,7 @@ def test_evaluation_runs_under_the_training_autocast(baked_module):
 
 
 @pytest.mark.slow
-@pytest.mark.starts_first  # the suite's longest test: 7 short launches and one plain process
+@pytest.mark.starts_first  # the suite's longest test: 6 short launches and one plain process
 def test_gpu_check_dry_run_prints_every_row(tmp_path):
     table = tmp_path / "gpu_check.md"
     result = run([sys.executable, str(TEMPLATE_ROOT / "benchmarks" / "gpu_check.py"), "--dry-run",
