@@ -149,7 +149,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
 
     # meter.close() inside the phase, also on the SIGTERM exit: a tracker's last rows are sent within its limit.
     with watchdog.slow_phase("final checkpoint and evaluation"), contextlib.closing(meter):
-        checkpointer.save(progress)  # before the evaluation, so a failing evaluation loses no training
+        checkpointer.save(progress, wait=True)  # before the evaluation, so a failing evaluation loses no training
         if stop_requested:  # preemption, or torchrun stopping the group
             log.info("stopped by SIGTERM after step %d; run the same command again to resume", progress.step)
             sys.exit(EXIT_CODE_AFTER_SIGTERM)

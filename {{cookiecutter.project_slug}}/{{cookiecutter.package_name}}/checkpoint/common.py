@@ -190,20 +190,26 @@ class Checkpointer:
         self.components = components
         self.last_saved_step: int | None = None
 
-    def save(self, progress: TrainingProgress) -> None:
-        """A collective: every rank saves at the same steps."""
-        if progress.step == self.last_saved_step:  # e.g. the final save right after a periodic one
-            return
-        self.last_saved_step = progress.step
-        started = time.perf_counter()
-        check_replicas_match(self.components["model"], progress.step)  # never save one rank's model of several
-        for component in self.components.values():  # state spread over ranks (a stream's position), on all ranks
-            if hasattr(component, "gather_from_ranks"):
-                component.gather_from_ranks()
-        sync_buffers_from_main(self.components["model"])  # one canonical copy of BatchNorm statistics
-        written = self.write(progress)
-        if written is not None:
-            log.info("saved %s in %.2f s", written, time.perf_counter() - started)
+    def save(self, progress: TrainingProgress, wait: bool = False) -> None:
+        """A collective: every rank saves at the same steps. `wait`: return only once the save is on disk
+        (--async-save otherwise writes in a thread while training goes on), as the last save of a job must."""
+        if progress.step != self.last_saved_step:  # e.g. the final save right after a periodic one
+            self.last_saved_step = progress.step
+            started = time.perf_counter()
+            check_replicas_match(self.components["model"], progress.step)  # never save one rank's model of several
+            for component in self.components.values():  # state spread over ranks (a stream's position)
+                if hasattr(component, "gather_from_ranks"):
+                    component.gather_from_ranks()
+            sync_buffers_from_main(self.components["model"])  # one canonical copy of BatchNorm statistics
+            written = self.write(progress)
+            if written is not None:
+                log.info("saved %s in %.2f s%s", written, time.perf_counter() - started,
+                         " (a copy in memory: writing it in the background)" if self.options.async_save else "")
+        if wait:
+            self.wait()
+
+    def wait(self) -> None:
+        """Until every save this rank started is on disk (a no-op where saves are written at once)."""
 
     def resume(self) -> TrainingProgress:
         """Load the newest valid checkpoint into the components (a collective); a fresh start if none."""
