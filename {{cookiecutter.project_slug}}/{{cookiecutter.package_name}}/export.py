@@ -61,7 +61,7 @@ def model_and_step(folder: Path) -> dict:
                                             if isinstance(value, TensorStorageMetadata) else None)
              for name, value in saved.items() if name.startswith("model.")}
     state = {"model": model, "progress": {"step": 0}}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=True)
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)))  # no process group here: one process
     return state
 
 
