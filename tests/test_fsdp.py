@@ -126,15 +126,19 @@ def test_batchnorm_shares_its_blocks_group_and_bf16_matches_ddp(fsdp_project, tm
 
 
 def test_kill_9_mid_run_resumes_bitwise(fsdp_project, uninterrupted, tmp_path):
+    # Saved with --async-save: DCP writes the shards in a thread, exchanging with the other rank on a gloo
+    # group of its own, and rank 0 publishes each folder once all are written; the kill may land mid-write.
     ckpt_dir = tmp_path / "killed"
-    launcher = start_job(fsdp_project, tiny_run(**RUN, max_steps=12, ckpt_dir=ckpt_dir), via="run_node.sh",
-                         max_restarts=1)
+    launcher = start_job(fsdp_project, [*tiny_run(**RUN, max_steps=12, ckpt_dir=ckpt_dir), "--async-save"],
+                         via="run_node.sh", max_restarts=1)
     wait_for(ckpt_dir / "step-4", launcher)
     with paused(launcher) as workers:  # lest the run end before the kill lands
         os.kill(workers[-1], signal.SIGKILL)
     output, _ = launcher.communicate(timeout=300)
     assert launcher.returncode == 0, output
     assert "resuming from" in output and "step-4" in output, output
+    assert "(a copy in memory: writing it in the background)" in output, output
+    assert not list(ckpt_dir.glob(".step-*")), list(ckpt_dir.iterdir())  # nothing partial left behind
     expected = tensors(sharded_state(uninterrupted / "step-12", tmp_path))
     actual = tensors(sharded_state(ckpt_dir / "step-12", tmp_path))
     assert actual.keys() == expected.keys() and any(name.startswith("optimizer.") for name in expected)

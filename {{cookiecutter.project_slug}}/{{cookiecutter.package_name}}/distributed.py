@@ -178,7 +178,7 @@ def distributed_session(env: DistEnv, device: torch.device,
                 backend=backend_for(device), store=store, rank=env.rank, world_size=env.world_size,
                 timeout=timeout, device_id=device if device.type == "cuda" else None,
             )
-            SIDE_GROUP.append(start_side_group(timeout))
+            SIDE_GROUP.append(new_lazy_gloo_group(timeout))
     try:
         yield address
     finally:
@@ -203,26 +203,27 @@ def side_group() -> dist.ProcessGroup | None:
     return SIDE_GROUP[0] if SIDE_GROUP else None
 
 
-def start_side_group(timeout: timedelta) -> dist.ProcessGroup:
-    """Connected lazily (TORCH_GLOO_LAZY_INIT, read when a gloo group is made; torch 2.8 and later,
-    pytorch/pytorch#150801): a rank connects to a peer when it first exchanges with it, and the collectives used
-    here, all-reduce and all-gather over a ring, have each rank talk to its two neighbours. Eagerly (older
-    torch), gloo connects a full mesh at creation: every rank opens N-1 sockets, more than a common
-    `ulimit -n` of 1024 allows at a thousand ranks, and reads every rank's address through rank 0's store,
-    8 N^3 bytes in all, gigabytes at that size. The main group keeps torch's default: its collectives may talk
-    to any peer. One all-reduce here makes the ring's connections while the job's sockets are being recorded,
-    so DataLoader workers forked later close them (watchdog.close_job_sockets). `timeout`: the main group's
-    (a new group's own default is 30 minutes)."""
+def new_lazy_gloo_group(timeout: timedelta) -> dist.ProcessGroup:
+    """A gloo group of every rank (a collective), connected lazily (TORCH_GLOO_LAZY_INIT, read when a gloo group
+    is made; torch 2.8 and later, pytorch/pytorch#150801): a rank connects to a peer when it first exchanges
+    with it. The side group's all-reduce and all-gather run over a ring: each rank talks to its two neighbours.
+    Eagerly (older torch), gloo connects a full mesh at creation: every rank opens N-1 sockets, more than a
+    common `ulimit -n` of 1024 allows at a thousand ranks, and reads every rank's address through rank 0's
+    store, 8 N^3 bytes in all, gigabytes at that size. The main group keeps torch's default: its collectives
+    may talk to any peer. One all-reduce here makes the ring's connections while the job's sockets are being
+    recorded, so DataLoader workers forked later close them (watchdog.close_job_sockets). `timeout`: the main
+    group's (a new group's own default is 30 minutes)."""
     previous = os.environ.get("TORCH_GLOO_LAZY_INIT")
     os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
     try:
-        group = dist.new_group(backend="gloo", timeout=timeout)
+        with recording_job_sockets():
+            group = dist.new_group(backend="gloo", timeout=timeout)
+            dist.all_reduce(torch.zeros(1), group=group)
     finally:
         if previous is None:
             del os.environ["TORCH_GLOO_LAZY_INIT"]
         else:
             os.environ["TORCH_GLOO_LAZY_INIT"] = previous
-    dist.all_reduce(torch.zeros(1), group=group)
     return group
 
 

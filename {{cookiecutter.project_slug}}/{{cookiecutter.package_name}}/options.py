@@ -65,9 +65,9 @@ class TrainOptions:
     ckpt_every: int = option(500, "save a checkpoint every this many optimizer steps (and at the end)")
     keep_checkpoints: int = option(2, "keep the newest this many checkpoints, delete older ones")
     async_save: bool = option(
-        False, "--strategy ddp: the writing rank copies the state to host memory and writes it in a thread, so "
-        "training goes on during the write (the final save is waited for); costs a copy of the whole state in "
-        "host memory during each write")
+        False, "write checkpoints in a thread while training goes on: the state (DDP: the writing rank's; FSDP2: "
+        "every rank's shards) is copied to host memory, written, then published; the next save and the last "
+        "wait for it. Costs that copy in host memory during each write")
     resume_changed_state: bool = option(
         False, "resume from a checkpoint whose entries differ from what this code saves (state added to or "
         "removed from build_checkpointer in train.py, fields added to TrainingProgress): new entries start "
@@ -114,9 +114,6 @@ class TrainOptions:
             raise UsageError(f"--lr must be > 0, got {self.lr}")
         if self.warmup_steps is not None and self.warmup_steps < 0:
             raise UsageError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
-        if self.strategy == "fsdp2" and self.async_save:
-            raise UsageError("--async-save is for --strategy ddp, whose checkpoint one rank writes; leave it out "
-                             "with --strategy fsdp2, where every rank writes its own shards")
         if self.strategy == "fsdp2" and self.precision == "fp16":
             raise UsageError("--precision fp16 needs a gradient scaler that FSDP2 shards do not support here; "
                              "use --precision bf16 (or fp32) with --strategy fsdp2")

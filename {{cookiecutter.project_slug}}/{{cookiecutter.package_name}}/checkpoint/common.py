@@ -11,7 +11,9 @@ import logging
 import os
 import socket
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -189,6 +191,8 @@ class Checkpointer:
                              "you like")
         self.components = components
         self.last_saved_step: int | None = None
+        self._writing: threading.Thread | None = None  # --async-save's write in progress
+        self._write_error: BaseException | None = None  # what it raised, for wait() to raise
 
     def save(self, progress: TrainingProgress, wait: bool = False) -> None:
         """A collective: every rank saves at the same steps. `wait`: return only once the save is on disk
@@ -208,8 +212,25 @@ class Checkpointer:
         if wait:
             self.wait()
 
+    def in_background(self, write: Callable[..., None], *args) -> None:
+        """Run `write(*args)` in a thread (--async-save); wait() joins it and raises what it raised."""
+        def run() -> None:
+            try:
+                write(*args)
+            except BaseException as error:  # noqa: BLE001 - raised on the training thread by wait()
+                self._write_error = error
+        self._writing = threading.Thread(target=run, name="checkpoint-write")
+        self._writing.start()
+
     def wait(self) -> None:
-        """Until every save this rank started is on disk (a no-op where saves are written at once)."""
+        """Until the save this rank is writing in the background (--async-save) is on disk; raises its error if
+        it failed."""
+        if self._writing is not None:
+            self._writing.join()
+            self._writing = None
+        if self._write_error is not None:
+            error, self._write_error = self._write_error, None
+            raise error
 
     def resume(self) -> TrainingProgress:
         """Load the newest valid checkpoint into the components (a collective); a fresh start if none."""

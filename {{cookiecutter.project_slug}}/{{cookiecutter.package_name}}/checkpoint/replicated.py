@@ -6,7 +6,6 @@ import logging
 import os
 import pickle
 import tempfile
-import threading
 import zipfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
@@ -223,8 +222,6 @@ class ReplicatedCheckpointer(Checkpointer):
                 leftover.unlink(missing_ok=True)
                 log.warning("removed %s, left by a save that was interrupted", leftover)
         self._newest_state: dict | None = None
-        self._writing: threading.Thread | None = None  # --async-save's write in progress
-        self._write_error: BaseException | None = None  # what it raised, for wait() to raise
 
     def write(self, progress: TrainingProgress) -> Path | None:
         rng_states = gather_rng_states(self.env, self.device)  # each rank's own, a collective
@@ -234,36 +231,17 @@ class ReplicatedCheckpointer(Checkpointer):
         path = checkpoint_path(self.ckpt_dir, progress.step)
         state = {**training_state(self.components, progress, self.env.world_size), **rng_states,
                  "options": every_option(self.options)}
-        if not self.options.async_save:
+        if self.options.async_save:  # a copy, taken now: the next step changes parameters and moments in place
+            self.in_background(self.publish, copy_to_host(state), path)
+        else:
             self.publish(state, path)
-            return path
-        # A copy, taken now: the next optimizer step changes the parameters and moments in place.
-        snapshot = copy_to_host(state)
-        self._writing = threading.Thread(target=self.publish, args=(snapshot, path), name="checkpoint-write")
-        self._writing.start()
         return path
 
     def publish(self, state: dict, path: Path) -> None:
-        """Write `state` to `path` atomically, then apply retention; in a thread with --async-save, whose
-        error wait() raises on the training thread."""
-        try:
-            if problem := save_checkpoint_atomically(state, path):
-                # Found alike by every writer, rank 0 among them, which reports it for the job.
-                raise UsageError(problem)
-            delete_old_checkpoints(self.ckpt_dir, self.keep, just_written=path)
-        except BaseException as error:
-            if threading.current_thread() is threading.main_thread():
-                raise
-            self._write_error = error
-
-    def wait(self) -> None:
-        """Until the write in progress (--async-save) is on disk; raises its error if it failed."""
-        if self._writing is not None:
-            self._writing.join()
-            self._writing = None
-        if self._write_error is not None:
-            error, self._write_error = self._write_error, None
-            raise error
+        """Write `state` to `path` atomically, then apply retention."""
+        if problem := save_checkpoint_atomically(state, path):
+            raise UsageError(problem)  # found alike by every writer, rank 0 among them, which reports it
+        delete_old_checkpoints(self.ckpt_dir, self.keep, just_written=path)
 
     def find_newest(self) -> tuple[Path, dict | None] | None:
         newest, problem = load_newest_valid(self.ckpt_dir) if self.is_writer else (None, None)

@@ -18,8 +18,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from ..collectives import barrier, broadcast_object, first_node_on_its_storage
+from ..distributed import new_lazy_gloo_group
 from ..errors import UsageError
 from ..optim import member_optimizers
 from ..options import every_option
@@ -104,6 +106,9 @@ class ShardedCheckpointer(Checkpointer):
             if name == "model" or isinstance(component, torch.optim.Optimizer))
         self._metadata: tuple[Path, dict] | None = None  # (folder, DCP's index of it), read once per resume
         self._planner = save_planner()
+        # DCP's async save runs collectives in a thread of its own: they need a group of their own.
+        self._save_group = (new_lazy_gloo_group(options.collective_timeout())
+                            if options.async_save and dist.is_initialized() else None)
         self._deleting: threading.Thread | None = None
 
     def _state(self, progress: TrainingProgress, world_size: int) -> dict:
@@ -125,17 +130,34 @@ class ShardedCheckpointer(Checkpointer):
     def write(self, progress: TrainingProgress) -> Path | None:
         from torch.distributed import checkpoint as dcp
 
+        self.wait()  # the previous save (--async-save), on every rank
         final = self.ckpt_dir / f"step-{progress.step}"
         partial = self.ckpt_dir / f".step-{progress.step}.partial"
-        # All shards and .metadata.
-        dcp.save(self._state(progress, self.env.world_size), checkpoint_id=partial, planner=self._planner)
-        if self.env.is_main_process:
-            write_json(partial / OPTIONS_FILE, every_option(self.options), durable=True)
-            publish(partial, final)
-            self.delete_in_background([old for _, old in list_sharded_checkpoints(self.ckpt_dir)[self.keep:]
-                                       if old != final])  # never the one just written, whatever older ones claim
-        barrier(self.device)
+        state = self._state(progress, self.env.world_size)
+        if self._save_group is None:  # all shards and .metadata, written now
+            dcp.save(state, checkpoint_id=partial, planner=self._planner)
+            if self.env.is_main_process:
+                self.publish(partial, final)
+            barrier(self.device)
+        else:  # copied to host memory before async_save returns; DCP's thread writes, and exchanges with the
+            # other ranks on a gloo group of its own (not the side group, which the loop uses meanwhile)
+            saving = dcp.async_save(state, checkpoint_id=partial, planner=self._planner,
+                                    process_group=self._save_group)
+            saving = getattr(saving, "upload_completion", saving)  # a response, not a future, in newer torch
+            self.in_background(self.publish_when_written, saving, partial, final)
         return final if self.env.is_main_process else None
+
+    def publish_when_written(self, saving, partial: Path, final: Path) -> None:
+        saving.result()  # every rank's shards and, on rank 0, .metadata: the save is whole
+        if self.env.is_main_process:
+            self.publish(partial, final)
+
+    def publish(self, partial: Path, final: Path) -> None:
+        """Rank 0: the options beside the shards, the folder in place, older ones deleted."""
+        write_json(partial / OPTIONS_FILE, every_option(self.options), durable=True)
+        publish(partial, final)
+        self.delete_in_background([old for _, old in list_sharded_checkpoints(self.ckpt_dir)[self.keep:]
+                                   if old != final])  # never the one just written, whatever older ones claim
 
     def delete_in_background(self, folders: list[Path]) -> None:
         """Retention without keeping every rank waiting (at the barrier after a save, or in the next step's
