@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_bitwise_equal, checkpoint, run_job, tiny_run, with_task_code
+from helpers import BIN, assert_bitwise_equal, checkpoint, run, run_job, tiny_run, with_task_code
 
 pytestmark = pytest.mark.slow  # torchrun jobs: `make test-fast` leaves these out
 
@@ -175,3 +175,35 @@ def test_an_exception_without_a_message_still_makes_one_line(baked_module, tmp_p
         assert line == (f"{tmp_path / 'step-4.pt'} does not fit this model or optimizer ({type(error).__name__}); "
                         "use another --ckpt-dir, or the options it was trained with"), line
         assert failure.first_sentence(error) == type(error).__name__
+
+
+SEND_TENSOR_BY_TENSOR = """
+import torch
+import torch.distributed as dist
+from ddp_training.checkpoint.replicated import broadcast_tensor_by_tensor
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+weight = torch.randn(4, 3, 5, 5).to(memory_format=torch.channels_last)  # a conv weight as it trains on a GPU
+state = {"model": {"conv.weight": weight, "fc.bias": torch.arange(3.0)}, "step": 7,
+         "optimizer": {"state": {0: {"momentum_buffer": 2 * weight}}, "param_groups": [{"lr": 0.1, "params": [0]}]}}
+received = broadcast_tensor_by_tensor(state if dist.get_rank() == 0 else None, 0, torch.device("cpu"))
+assert torch.equal(received["model"]["conv.weight"], weight), "permuted"
+assert torch.equal(received["optimizer"]["state"][0]["momentum_buffer"], 2 * weight), "permuted"
+assert torch.equal(received["model"]["fc.bias"], torch.arange(3.0)) and received["step"] == 7
+assert received["optimizer"]["param_groups"] == [{"lr": 0.1, "params": [0]}]
+print(f"rank {dist.get_rank()}: the state arrived unchanged")
+dist.destroy_process_group()
+"""
+
+
+def test_a_checkpoint_sent_tensor_by_tensor_arrives_unchanged_in_any_memory_format(default_project, tmp_path):
+    # Where some machine lacks the newest checkpoint, its holder sends it one tensor at a time. A collective
+    # moves bytes: a channels-last tensor (every conv weight and moment on a GPU) sent into a row-major buffer
+    # arrived permuted, with the same checksum, so the replica check passed and the ranks diverged.
+    script = tmp_path / "send.py"
+    script.write_text(SEND_TENSOR_BY_TENSOR)
+    result = run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", str(script)], cwd=default_project,
+                 OMP_NUM_THREADS="1", PYTHONPATH=str(default_project))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("the state arrived unchanged") == 2, result.stdout

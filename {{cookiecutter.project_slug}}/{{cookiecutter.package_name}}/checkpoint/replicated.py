@@ -102,9 +102,24 @@ def load_newest_valid(ckpt_dir: Path) -> tuple[tuple[Path, dict] | None, str | N
 
 def load_mapped(path: Path) -> dict:
     """A checkpoint, weights-only, its tensors mapped from the file rather than read into this process: the
-    ranks of a machine share one copy in the page cache, where each held a whole copy of its own, and a tensor
-    costs memory only once written to (copy-on-write: the file never changes)."""
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    ranks of a machine share one copy in the page cache, where each held a whole copy of its own. Read whole
+    where the file system cannot map it (some FUSE mounts: a RuntimeError, not an OSError)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_if_readable(path: Path) -> dict | None:
+    """The checkpoint a writer chose and checked, or None where this rank cannot read it (not on its machine's
+    disk, an I/O error): then the ranks agree to have it sent instead of some of them failing alone."""
+    try:
+        return load_mapped(path)
+    except Exception as error:  # noqa: BLE001 - every rank learns of it through the all-reduce that follows
+        if path.exists():
+            log.warning("cannot read %s here (%s: %s); it is sent by the rank that holds it", path,
+                        type(error).__name__, first_line(error))
+        return None
 
 
 def is_torn(path: Path) -> bool:
@@ -150,7 +165,9 @@ def broadcast_tensor_by_tensor(state: dict | None, source: int, device: torch.de
 
     def fill(value):  # every rank walks the same structure in the same order: the broadcasts pair up
         if isinstance(value, TensorSlot):
-            buffer = (tensors[value.index].to(device) if tensors
+            # Contiguous on every rank: a collective moves bytes, and a channels-last tensor's bytes sent into a
+            # row-major buffer would arrive permuted, silently.
+            buffer = (tensors[value.index].to(device).contiguous() if tensors
                       else torch.empty(value.shape, dtype=value.dtype, device=device))
             dist.broadcast(buffer, src=source)
             return buffer.cpu()
@@ -253,9 +270,9 @@ class ReplicatedCheckpointer(Checkpointer):
         if best_step < 0:
             return None
         path = checkpoint_path(self.ckpt_dir, best_step)
-        if all_reduce_int(int(path.is_file()), self.device, "min"):  # every rank can read it
-            self._newest_state = newest[1] if own_step == best_step else load_mapped(path)
-        else:  # the lowest rank holding the newest step sends it
+        self._newest_state = newest[1] if own_step == best_step else load_if_readable(path)
+        if not all_reduce_int(int(self._newest_state is not None), self.device, "min"):  # some rank cannot read it:
+            # the lowest rank holding the newest step sends it
             source = all_reduce_int(self.env.rank if own_step == best_step else self.env.world_size, self.device,
                                     "min")
             path = broadcast_object(newest[0] if self.env.rank == source else None, source_rank=source)
@@ -273,4 +290,6 @@ class ReplicatedCheckpointer(Checkpointer):
     def read(self, source: Path, components: set[str]) -> dict:
         state = self._newest_state
         self._newest_state = None
+        if self.device.type == "cpu":  # the state's own memory: on CPU an optimizer would keep the mapped tensors,
+            state = copy_to_host(state)  # reading the file again at every step (and SIGBUS once NFS has deleted it)
         return {**state, "progress": state}  # a flat file: progress's fields and world_size at the top

@@ -26,6 +26,7 @@ from ..errors import UsageError
 from ..optim import member_optimizers
 from ..options import every_option
 from ..reproducibility import gather_rng_states
+from ..watchdog import recording_job_sockets
 from .common import (
     Checkpointer,
     TrainingProgress,
@@ -107,7 +108,7 @@ class ShardedCheckpointer(Checkpointer):
         self._metadata: tuple[Path, dict] | None = None  # (folder, DCP's index of it), read once per resume
         self._planner = save_planner()
         # DCP's async save runs collectives in a thread of its own: they need a group of their own.
-        self._save_group = (new_lazy_gloo_group(options.collective_timeout())
+        self._save_group = (async_save_group(options.collective_timeout())
                             if options.async_save and dist.is_initialized() else None)
         self._deleting: threading.Thread | None = None
 
@@ -158,6 +159,14 @@ class ShardedCheckpointer(Checkpointer):
         publish(partial, final)
         self.delete_in_background([old for _, old in list_sharded_checkpoints(self.ckpt_dir)[self.keep:]
                                    if old != final])  # never the one just written, whatever older ones claim
+
+    def wait(self) -> None:
+        """The save in the background, and the retention thread: the last save returns only once both are
+        done, inside the watchdog's slow phase, not during the interpreter's exit that would wait for them."""
+        super().wait()
+        if self._deleting is not None:
+            self._deleting.join()
+            self._deleting = None
 
     def delete_in_background(self, folders: list[Path]) -> None:
         """Retention without keeping every rank waiting (at the barrier after a save, or in the next step's
@@ -222,6 +231,7 @@ class ShardedCheckpointer(Checkpointer):
                 state[name] = []
         # Into this rank's shards, from whichever ranks saved them (DCP reads the index once more, itself).
         dcp.load(state, checkpoint_id=source)
+        self._metadata = None  # at thousands of ranks, a record per shard of every tensor: not kept
         model = self.components["model"]
         for name in [name for name in self.components if name in self.restored_by_read & components]:  # collectives:
             if name == "model":  # the same order on every rank
@@ -229,6 +239,21 @@ class ShardedCheckpointer(Checkpointer):
             else:
                 set_optimizer_state_dict(model, member_optimizers(self.components[name]), state[name])
         return state
+
+
+def async_save_group(timeout) -> dist.ProcessGroup:
+    """A lazily connected gloo group for DCP's async save, whose collectives (plans gathered to rank 0 and
+    scattered back, the metadata's results gathered) run in DCP's own thread: rank 0 talks to every rank, each
+    other rank to rank 0 alone. Those connections are made here, while the job's sockets are recorded, so
+    DataLoader workers forked later close them."""
+    group = new_lazy_gloo_group(timeout)
+    with recording_job_sockets():
+        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(dist.get_rank(), gathered, dst=0, group=group)
+        received = [None]
+        dist.scatter_object_list(received, gathered, src=0, group=group)
+        dist.broadcast_object_list(received, src=0, group=group)
+    return group
 
 
 def save_planner():
