@@ -43,15 +43,17 @@ TASK = dataclasses.replace(TASK, models={**TASK.models, "per_rank_draws": per_ra
 '''
 
 
-def torchrun(project: Path, ckpt_dir: Path, **options: object):
-    """2 ranks with the session reference's settings (no loader workers), which must succeed."""
-    result = torchrun_may_fail(project, ckpt_dir, **options)
+def torchrun(project: Path, ckpt_dir: Path, one_process: bool = False, **options: object):
+    """2 ranks with the session reference's settings (no loader workers), which must succeed; or one plain
+    process, where what is checked does not depend on ranks (half the processes to start)."""
+    result = torchrun_may_fail(project, ckpt_dir, one_process, **options)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
 
 
-def torchrun_may_fail(project: Path, ckpt_dir: Path, **options: object):
-    return run_job(project, tiny_run(num_workers=0, ckpt_dir=ckpt_dir, **options))
+def torchrun_may_fail(project: Path, ckpt_dir: Path, one_process: bool = False, **options: object):
+    launch = {"via": "python", "nproc": 1} if one_process else {}
+    return run_job(project, tiny_run(num_workers=0, ckpt_dir=ckpt_dir, **options), **launch)
 
 
 def test_each_rank_resumes_its_own_cpu_random_state(default_project, tmp_path):
@@ -91,7 +93,7 @@ def test_a_checkpoint_that_loads_but_does_not_match_the_code_stops_the_job(defau
     project = shutil.copytree(default_project, tmp_path / "project")
     # A loop edit: the optimizer registered under another name, as a user with two of them would.
     edited(project, "train.py", "model=model, optimizer=optimizer,", "model=model, backbone_optimizer=optimizer,")
-    result = torchrun_may_fail(project, ckpt_dir, max_steps=8)
+    result = torchrun_may_fail(project, ckpt_dir, one_process=True, max_steps=8)
     assert result.returncode != 0
     assert error_lines(result) == [
         f"error: {ckpt_dir / 'step-4.pt'} does not hold what this code saves: this code saves backbone_optimizer, "
@@ -125,7 +127,7 @@ def test_new_state_starts_fresh_on_request_and_retention_keeps_what_was_just_wri
     edited(project, "train.py", "            progress.advance(", "            step_counter.count += 1\n"
                                                                   "            progress.advance(")
 
-    refused = torchrun_may_fail(project, ckpt_dir, max_steps=8)
+    refused = torchrun_may_fail(project, ckpt_dir, one_process=True, max_steps=8)
     assert refused.returncode != 0 and "this code saves step_counter, which it lacks" in refused.stderr, \
         refused.stderr[-3000:]
     assert f"skipping unreadable checkpoint {ckpt_dir / 'step-12.pt'}" in refused.stderr
@@ -136,9 +138,9 @@ def test_new_state_starts_fresh_on_request_and_retention_keeps_what_was_just_wri
     state = checkpoint(ckpt_dir, 8)
     assert int(state["step_counter"]["count"]) == 4, "started fresh at the resumed step"
     assert state["entries"] == ["grad_scaler", "lr_schedule", "model", "optimizer", "step_counter"]
-    # The next restart restores it like any other entry, without the flag.
+    # The next restart restores it like any other entry, without the flag (here on one rank: 2 steps of 8).
     edited(project, "train.py", *reversed(STEP_COUNTER))
-    torchrun(project, ckpt_dir, max_steps=10)
+    torchrun(project, ckpt_dir, one_process=True, max_steps=10)
     assert int(checkpoint(ckpt_dir, 10)["step_counter"]["count"]) == 6
 
 
