@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pty
 import select
@@ -19,7 +20,18 @@ def start_nodes(project: Path, node_args: list[list[str]], rdzv_id: str) -> list
     endpoint = f"127.0.0.1:{free_port()}"
     nodes = [start_job(project, args, via="run_node.sh", nproc=1, NNODES=str(len(node_args)), RDZV_ENDPOINT=endpoint,
                        RDZV_ID=rdzv_id) for args in node_args]
-    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    outputs, deadline = [], time.monotonic() + 300
+    for node in nodes:
+        try:
+            outputs.append(node.communicate(timeout=max(deadline - time.monotonic(), 1))[0])
+        except subprocess.TimeoutExpired as error:  # every node's output, and no node left running
+            for other in nodes:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(other.pid, signal.SIGKILL)
+            own = error.output.decode(errors="replace") if isinstance(error.output, bytes) else str(error.output)
+            raise AssertionError(f"node {len(outputs)} still running after 300 s (exit statuses: "
+                                 f"{[other.poll() for other in nodes]}); the nodes' output:\n"
+                                 + "\n----\n".join([*outputs, own])) from None
     assert [node.returncode for node in nodes] == [0] * len(nodes), outputs
     return outputs
 
