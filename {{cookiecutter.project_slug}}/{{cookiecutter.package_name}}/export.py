@@ -56,12 +56,13 @@ def model_and_step(folder: Path) -> dict:
     from torch.distributed import checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    reader = dcp.FileSystemReader(str(folder))
+    saved = reader.read_metadata().state_dict_metadata
     model = {name.removeprefix("model."): (torch.empty(value.size, dtype=value.properties.dtype)
                                             if isinstance(value, TensorStorageMetadata) else None)
              for name, value in saved.items() if name.startswith("model.")}
     state = {"model": model, "progress": {"step": 0}}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)))  # no process group here: one process
+    dcp.load(state, storage_reader=reader)  # no process group here: one process
     return state
 
 

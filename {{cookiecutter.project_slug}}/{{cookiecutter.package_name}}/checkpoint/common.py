@@ -208,7 +208,7 @@ class Checkpointer:
             written = self.write(progress)
             if written is not None:
                 log.info("saved %s in %.2f s%s", written, time.perf_counter() - started,
-                         " (a copy in memory: writing it in the background)" if self.options.async_save else "")
+                         " (a copy in memory: writing it in the background)" if self._writing else "")
         if wait:
             self.wait()
 

@@ -138,7 +138,7 @@ class ShardedCheckpointer(Checkpointer):
         if self._save_group is None:  # all shards and .metadata, written now
             dcp.save(state, checkpoint_id=partial, planner=self._planner)
             if self.env.is_main_process:
-                self.publish(partial, final)
+                self.publish_and_prune(partial, final)
             barrier(self.device)
         else:  # copied to host memory before async_save returns; DCP's thread writes, and exchanges with the
             # other ranks on a gloo group of its own (not the side group, which the loop uses meanwhile)
@@ -151,9 +151,9 @@ class ShardedCheckpointer(Checkpointer):
     def publish_when_written(self, saving, partial: Path, final: Path) -> None:
         saving.result()  # every rank's shards and, on rank 0, .metadata: the save is whole
         if self.env.is_main_process:
-            self.publish(partial, final)
+            self.publish_and_prune(partial, final)
 
-    def publish(self, partial: Path, final: Path) -> None:
+    def publish_and_prune(self, partial: Path, final: Path) -> None:
         """Rank 0: the options beside the shards, the folder in place, older ones deleted."""
         write_json(partial / OPTIONS_FILE, every_option(self.options), durable=True)
         publish(partial, final)
