@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import bake_default_project, child_env
+from common import bake_default_project, child_env, spread
 
 
 def run(project: Path, ckpt_dir: Path, *extra: str) -> tuple[list[float], float]:
@@ -35,10 +34,6 @@ def run(project: Path, ckpt_dir: Path, *extra: str) -> tuple[list[float], float]
         sys.exit(result.stderr[-3000:])
     stalls = [float(seconds) for seconds in re.findall(r"saved \S+ in ([\d.]+) s", result.stderr)]
     return stalls, wall
-
-
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
 def main() -> None:

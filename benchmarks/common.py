@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -15,6 +16,11 @@ TEMPLATE_ROOT = Path(__file__).resolve().parents[1]
 def bake_default_project() -> Path:
     output = Path(tempfile.mkdtemp(prefix="ddp-bench-"))
     return Path(cookiecutter(str(TEMPLATE_ROOT), no_input=True, output_dir=str(output)))
+
+
+def spread(values: list[float], figure: str = ".2f") -> str:
+    """"median (min-max)" of repeated measurements, each formatted as `figure`."""
+    return f"{statistics.median(values):{figure}} ({min(values):{figure}}-{max(values):{figure}})"
 
 
 def child_env() -> dict[str, str]:

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from common import TEMPLATE_ROOT, child_env
+from common import TEMPLATE_ROOT, child_env, spread
 from cookiecutter.main import cookiecutter
 
 SAMPLER = '''
@@ -60,10 +59,6 @@ def train(project: Path, ckpt_dir: Path, steps: int, memory_dir: Path | None, sa
     return [json.loads((memory_dir / f"rank-{rank}.json").read_text()) for rank in range(2)]
 
 
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):,.0f} ({min(values):,.0f}-{max(values):,.0f})"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=3)
@@ -87,8 +82,8 @@ def main() -> None:
     print("| run | rank | peak anonymous MiB | peak resident MiB |\n| --- | --- | --- | --- |")
     for name, trials in runs.items():
         for rank in range(2):
-            print(f"| {name} | {rank} | {spread([t[rank]['anon_mib'] for t in trials])} | "
-                  f"{spread([t[rank]['hwm_mib'] for t in trials])} |")
+            print(f"| {name} | {rank} | {spread([t[rank]['anon_mib'] for t in trials], ',.0f')} | "
+                  f"{spread([t[rank]['hwm_mib'] for t in trials], ',.0f')} |")
     print(f"median (min-max) over {args.trials} trials")
 
 

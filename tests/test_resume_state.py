@@ -43,25 +43,25 @@ TASK = dataclasses.replace(TASK, models={**TASK.models, "per_rank_draws": per_ra
 '''
 
 
-def torchrun(project: Path, ckpt_dir: Path, one_process: bool = False, **options: object):
+def launch(project: Path, ckpt_dir: Path, one_process: bool = False, **options: object):
     """2 ranks with the session reference's settings (no loader workers), which must succeed; or one plain
     process, where what is checked does not depend on ranks (half the processes to start)."""
-    result = torchrun_may_fail(project, ckpt_dir, one_process, **options)
+    result = launch_may_fail(project, ckpt_dir, one_process, **options)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
 
 
-def torchrun_may_fail(project: Path, ckpt_dir: Path, one_process: bool = False, **options: object):
-    launch = {"via": "python", "nproc": 1} if one_process else {}
-    return run_job(project, tiny_run(num_workers=0, ckpt_dir=ckpt_dir, **options), **launch)
+def launch_may_fail(project: Path, ckpt_dir: Path, one_process: bool = False, **options: object):
+    how = {"via": "python", "nproc": 1} if one_process else {}
+    return run_job(project, tiny_run(num_workers=0, ckpt_dir=ckpt_dir, **options), **how)
 
 
 def test_each_rank_resumes_its_own_cpu_random_state(default_project, tmp_path):
     project = with_task_code(default_project, tmp_path, PER_RANK_DRAWS)
-    torchrun(project, tmp_path / "uninterrupted", model="per_rank_draws", max_steps=8)
+    launch(project, tmp_path / "uninterrupted", model="per_rank_draws", max_steps=8)
     (tmp_path / "resumed").mkdir()  # resumed from the uninterrupted run's step 4, as its own restart would be
     shutil.copy(tmp_path / "uninterrupted" / "step-4.pt", tmp_path / "resumed")
-    assert "resuming from" in torchrun(project, tmp_path / "resumed", model="per_rank_draws", max_steps=8).stderr
+    assert "resuming from" in launch(project, tmp_path / "resumed", model="per_rank_draws", max_steps=8).stderr
     resumed, uninterrupted = checkpoint(tmp_path / "resumed", 8), checkpoint(tmp_path / "uninterrupted", 8)
     assert_bitwise_equal(resumed, uninterrupted)
     rank_states = uninterrupted["cpu_rng_states"]  # a row of bytes per rank
@@ -93,7 +93,7 @@ def test_a_checkpoint_that_loads_but_does_not_match_the_code_stops_the_job(defau
     project = shutil.copytree(default_project, tmp_path / "project")
     # A loop edit: the optimizer registered under another name, as a user with two of them would.
     edited(project, "train.py", "model=model, optimizer=optimizer,", "model=model, backbone_optimizer=optimizer,")
-    result = torchrun_may_fail(project, ckpt_dir, one_process=True, max_steps=8)
+    result = launch_may_fail(project, ckpt_dir, one_process=True, max_steps=8)
     assert result.returncode != 0
     assert error_lines(result) == [
         f"error: {ckpt_dir / 'step-4.pt'} does not hold what this code saves: this code saves backbone_optimizer, "
@@ -127,11 +127,11 @@ def test_new_state_starts_fresh_on_request_and_retention_keeps_what_was_just_wri
     edited(project, "train.py", "            progress.advance(", "            step_counter.count += 1\n"
                                                                   "            progress.advance(")
 
-    refused = torchrun_may_fail(project, ckpt_dir, one_process=True, max_steps=8)
+    refused = launch_may_fail(project, ckpt_dir, one_process=True, max_steps=8)
     assert refused.returncode != 0 and "this code saves step_counter, which it lacks" in refused.stderr, \
         refused.stderr[-3000:]
     assert f"skipping unreadable checkpoint {ckpt_dir / 'step-12.pt'}" in refused.stderr
-    result = torchrun(project, ckpt_dir, max_steps=8, keep_checkpoints=1, resume_changed_state=True)
+    result = launch(project, ckpt_dir, max_steps=8, keep_checkpoints=1, resume_changed_state=True)
     assert "--resume-changed-state: this code saves step_counter, which it lacks" in result.stderr
     assert f"resuming from {ckpt_dir / 'step-4.pt'} (step 4" in result.stderr
     assert sorted(path.name for path in ckpt_dir.iterdir()) == [".lease", "step-12.pt.unreadable", "step-8.pt"]
@@ -140,14 +140,14 @@ def test_new_state_starts_fresh_on_request_and_retention_keeps_what_was_just_wri
     assert state["entries"] == ["grad_scaler", "lr_schedule", "model", "optimizer", "step_counter"]
     # The next restart restores it like any other entry, without the flag (here on one rank: 2 steps of 8).
     edited(project, "train.py", *reversed(STEP_COUNTER))
-    torchrun(project, ckpt_dir, one_process=True, max_steps=10)
+    launch(project, ckpt_dir, one_process=True, max_steps=10)
     assert int(checkpoint(ckpt_dir, 10)["step_counter"]["count"]) == 6
 
 
 def test_a_resume_with_another_lr_schedules_the_new_one(default_project, uninterrupted_bare, tmp_path):
     # The session's reference run (--lr 0.01) at step 4, resumed with --lr 0.02: the same schedule, twice as high.
     shutil.copy(uninterrupted_bare / "step-4.pt", tmp_path)
-    result = torchrun(default_project, tmp_path, max_steps=8, lr=0.02)
+    result = launch(default_project, tmp_path, max_steps=8, lr=0.02)
     assert "--lr 0.01 -> 0.02" in result.stderr
     reference = checkpoint(uninterrupted_bare, 8)["optimizer"]["param_groups"][0]["lr"]
     changed = checkpoint(tmp_path, 8)["optimizer"]["param_groups"][0]["lr"]
@@ -160,7 +160,7 @@ def test_state_that_weights_only_loading_refuses_is_not_saved_and_stops_the_job(
     edited(project, "train.py", "model=model, optimizer=optimizer,", "model=model, optimizer=optimizer, "
            "best=type('Best', (), {'state_dict': lambda self: {'loss': __import__('numpy').float64(1.0)}, "
            "'load_state_dict': lambda self, state: None})(),")
-    result = torchrun_may_fail(project, tmp_path / "ckpt", max_steps=4)
+    result = launch_may_fail(project, tmp_path / "ckpt", max_steps=4)
     assert result.returncode != 0
     assert error_lines(result) == [
         "error: a checkpoint state_dict() holds numpy._core.multiarray.scalar, numpy.dtype, which "
