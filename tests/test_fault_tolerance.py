@@ -96,17 +96,10 @@ def test_truncated_newest_checkpoint_and_leftover_temporary_fall_back_to_previou
     assert_bitwise_equal(checkpoint(tmp_path, 12), checkpoint(uninterrupted_bare, 12))
 
 
-def test_no_valid_checkpoint_starts_from_scratch(default_project, uninterrupted_bare, tmp_path):
-    (tmp_path / "step-4.pt").write_bytes(b"not a checkpoint")
-    result = run_job(default_project, tiny_run(max_steps=4, num_workers=0, ckpt_dir=tmp_path), via="run_node.sh")
-    assert result.returncode == 0, result.stderr
-    assert f"skipping unreadable checkpoint {tmp_path / 'step-4.pt'}" in result.stderr
-    assert f"no valid checkpoint in {tmp_path}; starting from scratch" in result.stderr
-    assert_bitwise_equal(checkpoint(tmp_path, 4), checkpoint(uninterrupted_bare, 4))
-
-
 def test_a_second_job_on_a_live_jobs_folder_is_refused_and_a_killed_job_leaves_no_lease(default_project,
                                                                                         uninterrupted_bare, tmp_path):
+    # Started where the only checkpoint is unreadable: it starts from scratch, as the final bitwise check shows.
+    (tmp_path / "step-4.pt").write_bytes(b"not a checkpoint")  # the only one there: nothing to resume from
     first = bare_torchrun(default_project, tmp_path)
     wait_for(tmp_path / "step-8.pt", first)
     with paused(first):  # so that it is still running when the second has started
@@ -119,7 +112,9 @@ def test_a_second_job_on_a_live_jobs_folder_is_refused_and_a_killed_job_leaves_n
     # The first goes on untouched; killed as a whole (kill -9, every process), it leaves no lease behind.
     wait_for(tmp_path / "step-16.pt", first)
     os.killpg(first.pid, signal.SIGKILL)
-    first.communicate()
+    output = first.communicate()[0]
+    assert f"skipping unreadable checkpoint {tmp_path / 'step-4.pt'}" in output, output[-3000:]
+    assert f"no valid checkpoint in {tmp_path}; starting from scratch" in output, output[-3000:]
     again = bare_torchrun(default_project, tmp_path)
     output = again.communicate(timeout=300)[0]
     assert again.returncode == 0 and "resuming from" in output, output[-3000:]

@@ -81,19 +81,6 @@ def finish(nodes: list[subprocess.Popen], timeout: float = 300) -> list[str]:
         raise
 
 
-def test_two_hosts_train_as_one_job(default_project, hosts, tmp_path):
-    endpoint = f"{hosts[0][1]}:29400"
-    args = [*TINY, "--max-steps", "4", "--ckpt-every", "2", "--ckpt-dir", str(tmp_path)]
-    nodes = [start_on_host(namespace, default_project, args, NNODES="2", nproc=2,
-                           RDZV_ENDPOINT=endpoint, RDZV_ID="two-hosts") for namespace, _ in hosts]
-    outputs = finish(nodes)
-    assert [node.returncode for node in nodes] == [0, 0], outputs
-    assert f"this_host={hosts[0][1]} is_endpoint=1" in outputs[0]
-    assert f"this_host={hosts[1][1]} is_endpoint=0" in outputs[1]
-    assert "world_size=4 nodes=2 ranks_per_node=2" in "".join(outputs)
-    assert (tmp_path / "step-4.pt").exists()
-
-
 def test_a_node_that_never_arrives_is_a_clear_timeout(default_project, hosts, tmp_path):
     namespace, address = hosts[0]
     [output] = finish([start_on_host(namespace, default_project, [*TINY, "--ckpt-dir", str(tmp_path)],
@@ -142,21 +129,28 @@ def test_preflight_passes_across_two_hosts(default_project, hosts):
     outputs = finish(nodes)
     assert [node.returncode for node in nodes] == [0, 0], outputs
     summary = "".join(outputs)
+    # Its DDP model, freed at exit after the group was destroyed, aborted about 4 runs in 10 at exit (SIGABRT).
+    assert "terminate called" not in summary, summary
+    for check in ("rank map", "devices", "all-reduce result", "all-reduce bandwidth", "training steps"):
+        assert f"preflight PASS {check}: " in summary, summary
     assert "preflight PASS rank map: 4 ranks on 2 nodes" in summary
     assert "all-reduce result: sum over ranks = 10, expected 10" in summary
     assert "preflight PASS: world_size=4 nodes=2 device=cpu" in summary
     print(next(line for line in summary.splitlines() if "all-reduce bandwidth" in line))  # the figure, with -s
 
 
-def test_an_elastic_range_admits_both_hosts(default_project, hosts, tmp_path):
-    # NNODES=1:2: the job could start with one host; the second, arriving within torchrun's last-call
-    # window (30 s), is admitted into the same job.
-    args = [*TINY, "--max-steps", "2", "--ckpt-dir", str(tmp_path)]
-    nodes = [start_on_host(namespace, default_project, args, NNODES="1:2", nproc=1,
+def test_two_hosts_in_an_elastic_range_train_as_one_job(default_project, hosts, tmp_path):
+    # NNODES=1:2: the job could start with one host; the second, arriving within torchrun's last-call window
+    # (30 s), is admitted into the same job. A fixed NNODES=2 across hosts: the 127.0.1.1 tests below.
+    args = [*TINY, "--max-steps", "4", "--ckpt-every", "2", "--ckpt-dir", str(tmp_path)]
+    nodes = [start_on_host(namespace, default_project, args, NNODES="1:2", nproc=2,
                            RDZV_ENDPOINT=f"{hosts[0][1]}:29405", RDZV_ID="elastic") for namespace, _ in hosts]
     outputs = finish(nodes)
     assert [node.returncode for node in nodes] == [0, 0], outputs
-    assert "world_size=2 nodes=2 ranks_per_node=1" in "".join(outputs)
+    assert f"this_host={hosts[0][1]} is_endpoint=1" in outputs[0]
+    assert f"this_host={hosts[1][1]} is_endpoint=0" in outputs[1]
+    assert "world_size=4 nodes=2 ranks_per_node=2" in "".join(outputs)
+    assert (tmp_path / "step-4.pt").exists()
 
 
 @pytest.fixture
