@@ -111,8 +111,8 @@ STEP_COUNTER = ("    progress = checkpointer.resume()\n",
                 "    assert int(step_counter.count) == (0 if resumed_fresh else progress.step)\n")
 
 
-def test_new_state_starts_fresh_on_request_and_retention_keeps_what_was_just_written(default_project,
-                                                                                  uninterrupted_bare, tmp_path):
+def test_new_state_starts_fresh_on_request_another_lr_is_scheduled_and_retention_keeps_what_was_just_written(
+        default_project, uninterrupted_bare, tmp_path):
     ckpt_dir = starting_at_step_4(uninterrupted_bare, tmp_path / "ckpt")
     (ckpt_dir / "step-12.pt").write_bytes(b"truncated by a crash")  # a corrupt file with a higher step number
     project = shutil.copytree(default_project, tmp_path / "project")
@@ -131,27 +131,21 @@ def test_new_state_starts_fresh_on_request_and_retention_keeps_what_was_just_wri
     assert refused.returncode != 0 and "this code saves step_counter, which it lacks" in refused.stderr, \
         refused.stderr[-3000:]
     assert f"skipping unreadable checkpoint {ckpt_dir / 'step-12.pt'}" in refused.stderr
-    result = launch(project, ckpt_dir, max_steps=8, keep_checkpoints=1, resume_changed_state=True)
+    # Resumed with another --lr as well: the same schedule, twice as high.
+    result = launch(project, ckpt_dir, max_steps=8, keep_checkpoints=1, resume_changed_state=True, lr=0.02)
     assert "--resume-changed-state: this code saves step_counter, which it lacks" in result.stderr
-    assert f"resuming from {ckpt_dir / 'step-4.pt'} (step 4" in result.stderr
+    assert f"resuming from {ckpt_dir / 'step-4.pt'} (step 4" in result.stderr and "--lr 0.01 -> 0.02" in result.stderr
     assert sorted(path.name for path in ckpt_dir.iterdir()) == [".lease", "step-12.pt.unreadable", "step-8.pt"]
     state = checkpoint(ckpt_dir, 8)
+    reference = checkpoint(uninterrupted_bare, 8)["optimizer"]["param_groups"][0]["lr"]
+    changed = state["optimizer"]["param_groups"][0]["lr"]
+    assert changed == pytest.approx(2 * reference, rel=1e-12), (changed, reference)
     assert int(state["step_counter"]["count"]) == 4, "started fresh at the resumed step"
     assert state["entries"] == ["grad_scaler", "lr_schedule", "model", "optimizer", "step_counter"]
     # The next restart restores it like any other entry, without the flag (here on one rank: 2 steps of 8).
     edited(project, "train.py", *reversed(STEP_COUNTER))
     launch(project, ckpt_dir, one_process=True, max_steps=10)
     assert int(checkpoint(ckpt_dir, 10)["step_counter"]["count"]) == 6
-
-
-def test_a_resume_with_another_lr_schedules_the_new_one(default_project, uninterrupted_bare, tmp_path):
-    # The session's reference run (--lr 0.01) at step 4, resumed with --lr 0.02: the same schedule, twice as high.
-    shutil.copy(uninterrupted_bare / "step-4.pt", tmp_path)
-    result = launch(default_project, tmp_path, max_steps=8, lr=0.02)
-    assert "--lr 0.01 -> 0.02" in result.stderr
-    reference = checkpoint(uninterrupted_bare, 8)["optimizer"]["param_groups"][0]["lr"]
-    changed = checkpoint(tmp_path, 8)["optimizer"]["param_groups"][0]["lr"]
-    assert changed == pytest.approx(2 * reference, rel=1e-12), (changed, reference)
 
 
 def test_state_that_weights_only_loading_refuses_is_not_saved_and_stops_the_job(default_project, tmp_path):
