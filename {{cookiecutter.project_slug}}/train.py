@@ -60,7 +60,9 @@ from {{ cookiecutter.package_name }}.parallel import (
     uses_channels_last,
     wrap_model,
 )
+from {{ cookiecutter.package_name }}.profiling import StepProfiler
 from {{ cookiecutter.package_name }}.reproducibility import seed_and_choose_kernels
+from {{ cookiecutter.package_name }}.selection import ModelSelection
 from {{ cookiecutter.package_name }}.spec import Task
 from {{ cookiecutter.package_name }}.task import TASK
 from {{ cookiecutter.package_name }}.watchdog import EXIT_CODE_AFTER_SIGTERM, StopAgreement, Watchdog
@@ -82,7 +84,8 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     model = model.to(memory_format=torch.channels_last) if channels_last else model
     amp = MixedPrecision(resolve_precision(options.precision, device), device)
     # Forward and backward through training_model (DDP or FSDP2, maybe compiled); save and evaluate `model`.
-    training_model = wrap_model(model, device, options.strategy, options.compile, param_dtype=amp.param_dtype)
+    training_model = wrap_model(model, device, options.strategy, options.compile, param_dtype=amp.param_dtype,
+                                activation_checkpointing=options.activation_checkpointing)
     # After wrapping: FSDP2 swaps in sharded parameters. Several named optimizers are stepped as one.
     optimizer = as_one_optimizer(task.build_optimizer(model, options))
     samples_per_step = options.batch_size * options.grad_accum * env.world_size  # all ranks together
@@ -90,9 +93,14 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     lr_schedule = LearningRateSchedule(optimizer, options, train_loader.samples_per_epoch, samples_per_step)
     # A streamed training set's position is the job's, not a step count: it is saved with the rest.
     stream = {"stream_position": train_loader} if train_loader.streamed else {}
+    # --keep-best, --early-stop-patience: the best evaluation so far, and how many came after it, saved too.
+    selection = ModelSelection(options, env)
+    judged = {"selection": selection} if selection.enabled else {}
     checkpointer = build_checkpointer(options, env, device, model=model, optimizer=optimizer,
-                                      lr_schedule=lr_schedule, grad_scaler=amp, **stream)
+                                      lr_schedule=lr_schedule, grad_scaler=amp, **stream, **judged)
     progress = checkpointer.resume()
+    profiler = StepProfiler(options, env, device, watchdog)  # --profile-steps, --memory-snapshot
+    profiler.after_step(progress.step)
     first_step = progress.step + 1  # of this run
     if options.eval_every:  # one held-out batch now, so a bug in the evaluation path shows before training
         with watchdog.slow_phase("checking evaluation on one batch"):
@@ -113,7 +121,11 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
                 break
             meter.log_evaluation(progress.step, progress.epoch, results)
             progress.evaluation_due = False
-        if progress.finished(options.epochs, options.max_steps):
+            if selection.is_new_best(results, progress.step):  # saved now, and kept by retention
+                with watchdog.slow_phase("saving the best checkpoint"):
+                    checkpointer.save(progress, wait=True)
+                selection.write_record()
+        if progress.finished(options.epochs, options.max_steps) or selection.stops_training(stop.decided_by_rank_0):
             break
         train_loader.start_epoch(progress.epoch, progress.samples_in_epoch)  # mid-epoch: at the next unseen sample
         for micro_step, batch in enumerate(meter.timed(train_loader), start=1):
@@ -135,6 +147,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
             progress.advance(samples_per_step)
             meter.end_step(progress, lr, grad_norm)
             watchdog.beat(progress.step)
+            profiler.after_step(progress.step)
             if progress.step == first_step and check_replicas_match(model, progress.step):  # again at each save
                 log.info("step %d: every rank holds the same parameters", progress.step)
             if progress.step % options.ckpt_every == 0:

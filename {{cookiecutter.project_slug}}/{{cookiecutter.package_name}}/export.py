@@ -3,6 +3,7 @@
     python -m {{ cookiecutter.package_name }}.export checkpoints/step-1000 model.pt   # an FSDP2 folder of shards
     python -m {{ cookiecutter.package_name }}.export checkpoints/step-1000.pt model.pt  # a DDP checkpoint
     python -m {{ cookiecutter.package_name }}.export checkpoints model.pt              # the newest in a --ckpt-dir
+    python -m {{ cookiecutter.package_name }}.export --best checkpoints model.pt       # the one --keep-best kept
 
 writes model.pt (the state_dict, for torch.load), model.safetensors (the same tensors, loadable by any
 safetensors reader without pickle) and model.json (the task options that rebuild the model, and the step).
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import missing_pieces
-from .checkpoint.folder import every_checkpoint
+from .checkpoint.folder import BEST_RECORD, every_checkpoint
 from .checkpoint.sharded import saved_options
 from .task import TaskOptions
 
@@ -30,6 +31,20 @@ def newest_checkpoint(ckpt_dir: Path) -> Path:
         if path.is_file() or missing_pieces(path) is None:
             return path
     raise SystemExit(f"error: no checkpoint in {ckpt_dir}; pass a step-<N>.pt file or step-<N>/ folder")
+
+
+def best_checkpoint(ckpt_dir: Path) -> Path:
+    """The checkpoint that CKPT_DIR/best.json names: the best evaluation of a run with --keep-best."""
+    try:
+        best = json.loads((ckpt_dir / BEST_RECORD).read_text())
+    except FileNotFoundError:
+        raise SystemExit(f"error: {ckpt_dir} has no {BEST_RECORD}: train with --keep-best METRIC:min|max, or "
+                         "leave out --best to export the newest checkpoint") from None
+    for step, path in every_checkpoint(ckpt_dir):
+        if step == best["step"] and (path.is_file() or missing_pieces(path) is None):
+            return path
+    raise SystemExit(f"error: {ckpt_dir / BEST_RECORD} names step {best['step']}, whose checkpoint is not there "
+                     "whole; the next start of the job rewrites it from the newest checkpoint")
 
 
 def load_model_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -85,6 +100,8 @@ def main(argv: list[str] | None = None) -> None:
                                      "the model.")
     parser.add_argument("checkpoint", type=Path, help="step-<N>.pt, step-<N>/ or a --ckpt-dir (newest)")
     parser.add_argument("output", type=Path, help="the .pt file to write: the model's state_dict")
+    parser.add_argument("--best", action="store_true",
+                        help="with a --ckpt-dir: the checkpoint --keep-best kept (best.json), not the newest")
     args = parser.parse_args(argv)
     if not args.checkpoint.exists():
         sys.exit(f"error: {args.checkpoint} does not exist")
@@ -92,7 +109,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {args.output} would be overwritten by the export's own {args.output.suffix} file; "
                  f"name the .pt file, e.g. {args.output.with_suffix('.pt')}")
     checkpoint = args.checkpoint
-    if checkpoint.is_dir() and not (checkpoint / ".metadata").exists():
+    if args.best:
+        checkpoint = best_checkpoint(checkpoint)
+    elif checkpoint.is_dir() and not (checkpoint / ".metadata").exists():
         checkpoint = newest_checkpoint(checkpoint)
     weights, options, step = load_checkpoint(checkpoint)
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import logging
+import re
 import sys
 import types
 import typing
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 from .errors import UsageError
@@ -91,6 +94,25 @@ class TrainOptions:
         "was and exits, so torchrun restarts the group from the last checkpoint")
     io_timeout: float = option(
         1800, "the same for start-up (downloads, compilation, the first step), checkpoint I/O and evaluation")
+    keep_best: str | None = option(
+        None, "METRIC:min or METRIC:max (loss:min, accuracy:max: a metric the evaluation reports): after each "
+        "epoch's evaluation that beats every one before, save a checkpoint, which retention never deletes; "
+        "CKPT_DIR/best.json names it and `export --best CKPT_DIR` writes it")
+    early_stop_patience: int | None = option(
+        None, "with --keep-best: end training after this many evaluations in a row without a better metric "
+        "(decided by rank 0 for every rank; a resumed job goes on counting)")
+    profile_steps: str | None = option(
+        None, "START:COUNT: a torch.profiler trace of COUNT optimizer steps from step START, one file per rank, "
+        "LOG_DIR/profile/trace-rank-<RANK>.json (open it in ui.perfetto.dev); the watchdog allows them "
+        "--io-timeout")
+    memory_snapshot: bool = option(
+        False, "CUDA: record the allocator's history from the start, and dump LOG_DIR/profile/"
+        "memory-rank-<RANK>.pickle (for pytorch.org/memory_viz) at the end of --profile-steps and on an "
+        "out-of-memory error")
+    activation_checkpointing: str = option(
+        "none", "none, full, or every-N: keep only the inputs of every (or every Nth) block of the model (the "
+        "blocks FSDP2 shards) in the forward pass and recompute the rest in the backward pass: less memory for "
+        "about a third more compute; non-reentrant, so dropout draws the same masks again")
     sample_log: str | None = option(
         None, "audit the data order: append each training-sample index this rank loads to "
         "SAMPLE_LOG/rank-<RANK>.txt (with --num-workers 0, exactly the samples trained on); for a streamed "
@@ -122,6 +144,21 @@ class TrainOptions:
                 raise UsageError(f"--{flag(name)} must be > 0 seconds, got {getattr(self, name)}")
         if self.clip_grad is not None and not self.clip_grad > 0:
             raise UsageError(f"--clip-grad must be > 0 (or left out for no clipping), got {self.clip_grad}")
+        if self.keep_best is not None and not re.fullmatch(r"\w+:(min|max)", self.keep_best):
+            raise UsageError(f"--keep-best must be METRIC:min or METRIC:max (e.g. loss:min, accuracy:max), got "
+                             f"{self.keep_best!r}")
+        if self.early_stop_patience is not None and (self.keep_best is None or self.early_stop_patience < 1):
+            raise UsageError("--early-stop-patience needs --keep-best METRIC:min|max (the metric it waits on) and a "
+                             f"value >= 1, got {self.early_stop_patience}")
+        if self.profile_steps is not None and not (
+                re.fullmatch(r"[1-9]\d*:[1-9]\d*", self.profile_steps) and self.log_dir):
+            raise UsageError(f"--profile-steps must be START:COUNT, both >= 1 (e.g. 10:3), with --log-dir for the "
+                             f"traces, got {self.profile_steps!r}" + ("" if self.log_dir else " and no --log-dir"))
+        if self.memory_snapshot and not self.log_dir:
+            raise UsageError("--memory-snapshot writes under --log-dir; give one")
+        if not re.fullmatch(r"none|full|every-[1-9]\d*", self.activation_checkpointing):
+            raise UsageError("--activation-checkpointing must be none, full or every-N (N >= 1), got "
+                             f"{self.activation_checkpointing!r}")
 
     def collective_timeout(self) -> timedelta:
         """The process group's bound on any one collective: a backstop behind the watchdog's timeouts."""
@@ -171,6 +208,11 @@ def build_parser(task_options: type, training_defaults: dict[str, Any]) -> argpa
                 continue
             group.add_argument(f"--{flag(spec.name)}", dest=spec.name, type=kind, choices=choices,
                                default=default, help=spec.metadata["help"])
+    files = parser.add_argument_group("experiments as files")
+    files.add_argument("--config", metavar="FILE", help="a YAML (or .toml) file of options by name (lr: 0.0003), "
+                       "as --print-config writes; flags given as well win over it")
+    files.add_argument("--print-config", action="store_true",
+                       help="print the resolved options as such a file and exit: --config with it runs the same run")
     # The deprecated torch.distributed.launch passed --local-rank; torchrun sets LOCAL_RANK instead.
     parser.add_argument("--local-rank", dest="deprecated_local_rank", type=int,
                         default=None, help=argparse.SUPPRESS)
@@ -200,9 +242,16 @@ def accept_underscores(argv: list[str]) -> list[str]:
 def parse_options(argv: list[str] | None, task_options: type,
                   training_defaults: dict[str, Any] | None = None) -> TrainOptions:
     """Parse argv into checked TrainOptions, with the task's options (a TaskOptions) in .task; raises
-    UsageError on values that cannot work."""
+    UsageError on values that cannot work. With --config FILE, the file's values replace the defaults and the
+    command line wins over both; with --print-config, print the resolved options as such a file and exit."""
     parser = build_parser(task_options, training_defaults or {})
-    namespace = vars(parser.parse_args(accept_underscores(sys.argv[1:] if argv is None else argv)))
+    argv = accept_underscores(sys.argv[1:] if argv is None else argv)
+    config_file = parser.parse_known_args(argv)[0].config  # a bad flag is parse_args' to report, below
+    if config_file:
+        parser.set_defaults(**read_config(config_file, parser))
+    namespace = vars(parser.parse_args(argv))
+    del namespace["config"]
+    print_config = namespace.pop("print_config")
     if namespace.pop("deprecated_local_rank") is not None:
         logging.getLogger(__name__).warning(
             "--local-rank is ignored: torchrun sets LOCAL_RANK in the environment, which wins")
@@ -210,7 +259,76 @@ def parse_options(argv: list[str] | None, task_options: type,
     options = TrainOptions(**{name: value for name, value in namespace.items() if name not in task_names},
                            task=task_options(**{name: namespace[name] for name in task_names}))
     options.check()
+    if print_config:
+        print(config_text(options), end="")
+        raise SystemExit(0)
     return options
+
+
+def read_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The options a --config file (YAML, or TOML) sets, by field name, each checked as its flag would be."""
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise UsageError(f"--config {path} cannot be read ({error.strerror})") from None
+    try:
+        if path.endswith(".toml"):
+            values = toml_loads(text)
+        else:
+            import yaml  # here: only a run with --config pays for importing it
+
+            values = yaml.safe_load(text) or {}
+    except ValueError as error:  # yaml.YAMLError and TOMLDecodeError are ValueErrors
+        raise UsageError(f"--config {path} is not valid {'TOML' if path.endswith('.toml') else 'YAML'}: "
+                         f"{str(error).splitlines()[0]}") from None
+    if not isinstance(values, dict):
+        raise UsageError(f"--config {path} must map option names to values (lr: 0.0003), not hold a "
+                         f"{type(values).__name__}")
+    known = {action.dest: action for action in parser._actions if action.dest not in NOT_IN_A_CONFIG}
+    checked = {}
+    for key, value in values.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            raise UsageError(f"--config {path}: unknown option '{key}'"
+                             + (f"; did you mean '{close[0]}'?" if close else "; see python train.py --help"))
+        action = known[name]
+        if value is None:
+            checked[name] = None
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):
+            if not isinstance(value, bool):
+                raise UsageError(f"--config {path}: {key} must be true or false, got {value!r}")
+            checked[name] = value
+            continue
+        try:  # the flag's own conversion and choices, as if given on the command line
+            checked[name] = getattr(parser.parse_args([f"--{flag(name)}", str(value)]), name)
+        except UsageError as error:
+            raise UsageError(f"--config {path}: {error}") from None
+    return checked
+
+
+def toml_loads(text: str) -> dict:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    return tomllib.loads(text)
+
+
+NOT_IN_A_CONFIG = ("help", "config", "print_config", "deprecated_local_rank")
+
+
+def config_text(options: TrainOptions) -> str:
+    """The resolved options as a --config file (YAML): `python train.py --config FILE` runs the same run."""
+    import yaml
+
+    def lines(values: dict[str, Any]) -> str:
+        return "".join(yaml.safe_dump({name: value}, sort_keys=False) for name, value in values.items())
+    training = {spec.name: getattr(options, spec.name) for spec in dataclasses.fields(options) if spec.name != "task"}
+    return ("# python train.py --config THIS_FILE runs with these options; a flag given as well wins over the file\n"
+            "# what is trained (task.py)\n" + lines(dataclasses.asdict(options.task)) + "# training\n"
+            + lines(training))
 
 
 def every_option(options: TrainOptions) -> dict[str, Any]:

@@ -5,6 +5,7 @@ are one model."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import socket
 import sys
@@ -21,14 +22,16 @@ log = logging.getLogger(__name__)
 
 
 def wrap_model(model: torch.nn.Module, device: torch.device, strategy: str = "ddp", compile_model: bool = False,
-               param_dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """The module to run forward and backward through, compiled when asked.
+               param_dtype: torch.dtype | None = None, activation_checkpointing: str = "none") -> torch.nn.Module:
+    """The module to run forward and backward through, compiled when asked, its blocks' activations recomputed
+    in the backward pass when asked (--activation-checkpointing: checkpoint_activations).
 
     ddp: DDP replicas over the already-placed model (none for a single rank); save, load and evaluate the
     unwrapped `model`.
     fsdp2: `model` itself, its parameters sharded in place (each rank holds 1/world_size of them).
     One plain process: the model itself.
     """
+    checkpoint_activations(model, activation_checkpointing)  # before wrapping: FSDP2's hooks then run around it
     if dist.is_initialized() and strategy == "fsdp2":
         shard_model(model, param_dtype)
     elif dist.is_initialized() and dist.get_world_size() > 1:  # one rank: DDP would only copy gradients
@@ -47,6 +50,25 @@ def wrap_model(model: torch.nn.Module, device: torch.device, strategy: str = "dd
         # overlapped with the backward pass.
         model = torch.compile(model)
     return model
+
+
+def checkpoint_activations(model: nn.Module, which: str) -> None:
+    """--activation-checkpointing full or every-N: each chosen block (of shardable_blocks, the ones FSDP2 shards)
+    keeps only its inputs in the forward pass and runs forward again in the backward pass, for the activations
+    its gradients need. torch.utils.checkpoint, non-reentrant: it restores the CPU and CUDA generators for the
+    recomputation, so dropout draws the same masks (the gradients are those without it, bit for bit), and
+    it runs under DDP, FSDP2 and torch.compile (as torchtitan applies it). The block's forward is replaced on
+    the instance, so parameter names, and with them checkpoints and exports, stay as they are."""
+    if which == "none":
+        return
+    from torch.utils.checkpoint import checkpoint
+
+    every = 1 if which == "full" else int(which.removeprefix("every-"))
+    blocks = shardable_blocks(model)[every - 1::every]
+    for block in blocks:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    log.info("activation checkpointing: %d of %d blocks recompute their activations in the backward pass",
+             len(blocks), len(shardable_blocks(model)))
 
 
 def shard_model(model: nn.Module, param_dtype: torch.dtype | None) -> None:

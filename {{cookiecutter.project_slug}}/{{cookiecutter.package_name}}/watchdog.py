@@ -208,6 +208,7 @@ class Watchdog:
         self._phase = Phase("starting", 0, True, time.monotonic())
         self._longest_step = 0.0  # of the steps after the first
         self._first_step = 0.0  # the first's, compilation and autotuning included
+        self.profiling: str | None = None  # what the steps are while profiled (--profile-steps): slow on purpose
         self._main_thread = threading.main_thread().ident
         self._nccl = dist.is_initialized() and dist.get_backend() == "nccl"
         self._store_address = store_address
@@ -241,14 +242,16 @@ class Watchdog:
         self.sigterm_received = True
 
     def beat(self, step: int) -> None:
-        """An optimizer step finished: the next one is a training step again."""
+        """An optimizer step finished: the next one is a training step again (a slow one while profiled)."""
         now = time.monotonic()
+        slow = self.profiling is not None
         if not self._phase.slow:
             self._longest_step = max(self._longest_step, now - self._phase.since)
         else:  # the first step (start-up's end): collectives get a step's time from here
             self._first_step = self._first_step or now - self._phase.since  # compilation and all
-            self._bound_collectives(slow=False)
-        self._phase = Phase("training step", step + 1, False, now)
+        if self._phase.slow != slow:
+            self._bound_collectives(slow=slow)
+        self._phase = Phase(self.profiling or "training step", step + 1, slow, now)
 
     @contextlib.contextmanager
     def slow_phase(self, what: str) -> Iterator[None]:
@@ -444,6 +447,15 @@ class StopAgreement:
                 if self.group is not None else None)
         self.pending = (flag, work)
         return stop
+
+    def decided_by_rank_0(self, decision: bool) -> bool:
+        """Rank 0's decision (an early stop), on every rank: one blocking broadcast on the side group, after the
+        all-reduces before it (one group runs its collectives in order)."""
+        if self.group is None:
+            return decision
+        flag = torch.tensor([int(decision)], dtype=torch.int32)
+        dist.broadcast(flag, src=0, group=self.group)  # the side group holds every rank: global rank 0 is its 0
+        return bool(flag.item())
 
     def agreed_now(self, received: bool) -> bool:
         """The same, up to this moment (a blocking all-reduce): before a long phase, such as an epoch's

@@ -22,10 +22,10 @@ import torch
 from ..collectives import from_first_rank_with
 from ..distributed import DistEnv
 from ..errors import UsageError
-from ..options import TrainOptions, every_option, fixed_under_a_checkpoint, flag
+from ..options import TrainOptions, config_text, every_option, fixed_under_a_checkpoint, flag
 from ..parallel import check_replicas_match, sync_buffers_from_main
 from ..reproducibility import restore_rng_states
-from .folder import LEASE_FILE
+from .folder import CONFIG_RECORD, LEASE_FILE, write_text
 
 log = logging.getLogger(__name__)
 
@@ -232,8 +232,15 @@ class Checkpointer:
             error, self._write_error = self._write_error, None
             raise error
 
+    def kept_steps(self) -> set[int]:
+        """Steps whose checkpoints retention keeps besides the newest: a component's kept_step (the best one)."""
+        return {step for component in self.components.values()
+                if (step := getattr(component, "kept_step", None)) is not None}
+
     def resume(self) -> TrainingProgress:
         """Load the newest valid checkpoint into the components (a collective); a fresh start if none."""
+        if self.env.rank == 0:  # this run's options beside its checkpoints, as a --config file
+            write_text(self.ckpt_dir / CONFIG_RECORD, config_text(self.options))
         newest = self.find_newest()
         if newest is None:
             log.info("no valid checkpoint in %s; starting from scratch", self.ckpt_dir)

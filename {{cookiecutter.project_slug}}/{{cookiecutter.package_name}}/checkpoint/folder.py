@@ -6,6 +6,8 @@ the records beside them, each written whole or not at all.
     .lease                       which job holds the folder (common.py)
     .crashes/<run id>.json       the job's last crash, and whether it was a bug (failure.py)
     tracker.json                 the W&B or MLflow run this job logs to (trackers.py)
+    config.yaml                  the options of the latest run, as --print-config writes them (common.py)
+    best.json                    the step whose checkpoint --keep-best keeps (selection.py)
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ CHECKPOINT_FOLDER = re.compile(r"step-(\d+)")
 LEASE_FILE = ".lease"
 CRASH_RECORDS = ".crashes"
 TRACKER_RECORD = "tracker.json"
+CONFIG_RECORD = "config.yaml"
+BEST_RECORD = "best.json"
 
 
 def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
@@ -43,14 +47,19 @@ def every_checkpoint(ckpt_dir: Path) -> list[tuple[int, Path]]:
 
 
 def write_json(path: Path, value, durable: bool = False) -> None:
-    """`value` as JSON in `path`, whole or not at all: written under a temporary name (a uuid: pids repeat
-    across containers) and renamed over it. durable=True also fsyncs the file before the rename, so that a
-    machine's crash cannot leave it empty (what a checkpoint's own files need; a record can be rewritten)."""
+    """`value` as JSON in `path`, whole or not at all (write_text's); durable=True for a checkpoint's own files."""
+    write_text(path, json.dumps(value, indent=1 if durable else None), durable)
+
+
+def write_text(path: Path, text: str, durable: bool = False) -> None:
+    """`text` in `path`, whole or not at all: written under a temporary name (a uuid: pids repeat across
+    containers) and renamed over it. durable=True also fsyncs the file before the rename, so that a machine's
+    crash cannot leave it empty (what a checkpoint's own files need; a record can be rewritten)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
     try:
         with open(partial, "w") as file:
-            json.dump(value, file, indent=1 if durable else None)
+            file.write(text)
             if durable:
                 file.flush()
                 os.fsync(file.fileno())

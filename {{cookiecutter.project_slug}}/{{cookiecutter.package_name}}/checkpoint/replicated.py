@@ -142,10 +142,10 @@ def unsafe_globals(path: Path) -> list[str]:
         return []
 
 
-def delete_old_checkpoints(ckpt_dir: Path, keep: int, just_written: Path) -> None:
-    """Keep the newest `keep` checkpoints by step, and always the one just written."""
-    for _, path in list_checkpoints(ckpt_dir)[keep:]:
-        if path != just_written:
+def delete_old_checkpoints(ckpt_dir: Path, keep: int, just_written: Path, kept: set[int]) -> None:
+    """Keep the newest `keep` checkpoints by step, always the one just written, and those of the `kept` steps."""
+    for step, path in list_checkpoints(ckpt_dir)[keep:]:
+        if path != just_written and step not in kept:
             path.unlink(missing_ok=True)
 
 
@@ -249,16 +249,16 @@ class ReplicatedCheckpointer(Checkpointer):
         state = {**training_state(self.components, progress, self.env.world_size), **rng_states,
                  "options": every_option(self.options)}
         if self.options.async_save:  # a copy, taken now: the next step changes parameters and moments in place
-            self.in_background(self.publish, copy_to_host(state), path)
+            self.in_background(self.publish, copy_to_host(state), path, self.kept_steps())
         else:
-            self.publish(state, path)
+            self.publish(state, path, self.kept_steps())
         return path
 
-    def publish(self, state: dict, path: Path) -> None:
+    def publish(self, state: dict, path: Path, kept: set[int]) -> None:
         """Write `state` to `path` atomically, then apply retention."""
         if problem := save_checkpoint_atomically(state, path):
             raise UsageError(problem)  # found alike by every writer, rank 0 among them, which reports it
-        delete_old_checkpoints(self.ckpt_dir, self.keep, just_written=path)
+        delete_old_checkpoints(self.ckpt_dir, self.keep, just_written=path, kept=kept)
 
     def find_newest(self) -> tuple[Path, dict | None] | None:
         newest, problem = load_newest_valid(self.ckpt_dir) if self.is_writer else (None, None)

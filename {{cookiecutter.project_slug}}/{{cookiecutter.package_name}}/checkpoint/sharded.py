@@ -138,27 +138,28 @@ class ShardedCheckpointer(Checkpointer):
         if self._save_group is None:  # all shards and .metadata, written now
             dcp.save(state, checkpoint_id=partial, planner=self._planner)
             if self.env.is_main_process:
-                self.publish_and_prune(partial, final)
+                self.publish_and_prune(partial, final, self.kept_steps())
             barrier(self.device)
         else:  # copied to host memory before async_save returns; DCP's thread writes, and exchanges with the
             # other ranks on a gloo group of its own (not the side group, which the loop uses meanwhile)
             saving = dcp.async_save(state, checkpoint_id=partial, planner=self._planner,
                                     process_group=self._save_group)
             saving = getattr(saving, "upload_completion", saving)  # a response, not a future, in newer torch
-            self.in_background(self.publish_when_written, saving, partial, final)
+            self.in_background(self.publish_when_written, saving, partial, final, self.kept_steps())
         return final if self.env.is_main_process else None
 
-    def publish_when_written(self, saving, partial: Path, final: Path) -> None:
+    def publish_when_written(self, saving, partial: Path, final: Path, kept: set[int]) -> None:
         saving.result()  # every rank's shards and, on rank 0, .metadata: the save is whole
         if self.env.is_main_process:
-            self.publish_and_prune(partial, final)
+            self.publish_and_prune(partial, final, kept)
 
-    def publish_and_prune(self, partial: Path, final: Path) -> None:
-        """Rank 0: the options beside the shards, the folder in place, older ones deleted."""
+    def publish_and_prune(self, partial: Path, final: Path, kept: set[int]) -> None:
+        """Rank 0: the options beside the shards, the folder in place, older ones deleted (never the one just
+        written, whatever older ones claim, nor those of the `kept` steps: the best)."""
         write_json(partial / OPTIONS_FILE, every_option(self.options), durable=True)
         publish(partial, final)
-        self.delete_in_background([old for _, old in list_sharded_checkpoints(self.ckpt_dir)[self.keep:]
-                                   if old != final])  # never the one just written, whatever older ones claim
+        self.delete_in_background([old for step, old in list_sharded_checkpoints(self.ckpt_dir)[self.keep:]
+                                   if old != final and step not in kept])
 
     def wait(self) -> None:
         """The save in the background, and the retention thread: the last save returns only once both are

@@ -1,0 +1,115 @@
+"""Experiments as files, and the knobs peers have: a --config file, with the command line winning over it,
+reproduces a run bit for bit; the best evaluated checkpoint outlives retention and is what export --best
+writes; early stopping ends every rank at one step, also after a kill -9 mid-patience; a profile trace per
+rank; activation checkpointing recomputes dropout's masks exactly and resumes bitwise."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import (
+    assert_bitwise_equal,
+    checkpoint,
+    kill_a_worker_and_finish,
+    main_in_this_process,
+    run,
+    run_job,
+    start_job,
+    tiny_run,
+)
+
+# 2 ranks of 8 on 160 fake samples: 10 steps an epoch, each epoch evaluated. The held-out loss falls epoch after
+# epoch here, so `loss:max` makes the first evaluation (step 10) the best and every later one no better: with a
+# patience of 2, training stops at the third (step 30), well before --epochs. Retention keeps one checkpoint,
+# and the best besides.
+EXPERIMENT = dict(fake_samples=160, num_workers=0, max_steps=None, epochs=20, log_every=7, keep_checkpoints=1,
+                  keep_best="loss:max", early_stop_patience=2, activation_checkpointing="full")
+
+
+@pytest.mark.slow
+def test_a_config_file_reproduces_a_run_whose_best_checkpoint_is_kept_and_which_stops_early(
+        default_project, baked_train, tmp_path, capsys):
+    uninterrupted, killed = tmp_path / "uninterrupted", tmp_path / "killed"
+    printed = main_in_this_process(baked_train, [*tiny_run(**EXPERIMENT, ckpt_dir=uninterrupted), "--print-config"],
+                                   capsys)
+    assert printed.returncode == 0 and "keep_best: loss:max\n" in printed.stdout, printed
+    config = tmp_path / "experiment.yaml"
+    config.write_text(printed.stdout)
+    # The file alone, plus a profile of steps 2 and 3 (which changes no number: the bitwise check below).
+    result = run_job(default_project, ["--config", str(config), "--profile-steps", "2:2", "--log-dir",
+                                       str(tmp_path / "logs")])
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "early stop: 2 evaluations without a better loss" in result.stderr, result.stderr[-4000:]
+    for rank in (0, 1):
+        trace = json.loads((tmp_path / "logs" / "profile" / f"trace-rank-{rank}.json").read_text())
+        assert any(event.get("name", "").startswith("ProfilerStep") or event.get("ph") == "X"
+                   for event in trace["traceEvents"]), f"rank {rank}: an empty trace"
+    assert sorted(path.name for path in uninterrupted.glob("step-*")) == ["step-10.pt", "step-30.pt"]
+    assert json.loads((uninterrupted / "best.json").read_text())["step"] == 10
+
+    # The same file with --ckpt-dir given on the command line, which wins; a worker killed after step 24's
+    # checkpoint, between the second evaluation (no better: patience 1 of 2) and the third.
+    job = start_job(default_project, ["--config", str(config), "--ckpt-dir", str(killed), "--ckpt-every", "8"],
+                    max_restarts=1)
+    output = kill_a_worker_and_finish(job, killed / "step-24.pt")
+    assert output.count("early stop: 2 evaluations without a better loss") == 1, output[-4000:]
+    assert sorted(path.name for path in killed.glob("step-*")) == ["step-10.pt", "step-30.pt"]
+    expected, resumed = checkpoint(uninterrupted, 30), checkpoint(killed, 30)
+    for state in (expected, resumed):
+        state["options"].pop("ckpt_dir")
+        state["options"].pop("ckpt_every")
+    assert_bitwise_equal(resumed, expected)
+    assert resumed["selection"] == {"best_step": 10, "best_value": expected["selection"]["best_value"],
+                                    "evaluations_since_best": 2}
+
+    exported = run(["python", "-m", "ddp_training.export", "--best", str(killed), str(tmp_path / "best.pt")],
+                   cwd=default_project)
+    assert exported.returncode == 0 and f"from {killed / 'step-10.pt'}" in exported.stdout, exported.stderr
+    best = torch.load(tmp_path / "best.pt", weights_only=True)
+    for name, tensor in checkpoint(killed, 10)["model"].items():
+        assert torch.equal(best[name], tensor), name
+
+
+def test_a_config_files_bad_key_or_value_is_one_line(baked_train, tmp_path, capsys):
+    for text, expected in [
+        ("lrr: 0.1\n", "error: --config {path}: unknown option 'lrr'; did you mean 'lr'?"),
+        ("lr: fast\n", "error: --config {path}: argument --lr: invalid float value: 'fast'"),
+        ("compile: 1\n", "error: --config {path}: compile must be true or false, got 1"),
+        ("- lr\n", "error: --config {path} must map option names to values (lr: 0.0003), not hold a list"),
+    ]:
+        path = tmp_path / "bad.yaml"
+        path.write_text(text)
+        result = main_in_this_process(baked_train, [*tiny_run(ckpt_dir=tmp_path), "--config", str(path)], capsys)
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+        assert result.returncode == 1 and len(errors) == 1, result.stderr
+        assert errors[0].startswith(expected.format(path=path)), errors
+
+
+def test_activation_checkpointing_recomputes_dropout_exactly(baked_module):
+    parallel = baked_module("parallel")
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear, self.calls = torch.nn.Linear(16, 16), 0
+
+        def forward(self, x):
+            self.calls += 1
+            return torch.nn.functional.dropout(torch.relu(self.linear(x)), p=0.5, training=self.training)
+
+    def gradients(which: str) -> tuple[list[torch.Tensor], list[int]]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Sequential(Block(), Block(), Block(), Block()))
+        parallel.checkpoint_activations(model, which)
+        model(torch.randn(8, 16)).square().sum().backward()
+        return [parameter.grad for parameter in model.parameters()], [block.calls for block in model[0]]
+
+    plain, calls = gradients("none")
+    assert calls == [1, 1, 1, 1]
+    for which, recomputed in (("full", [2, 2, 2, 2]), ("every-2", [1, 2, 1, 2])):
+        checkpointed, calls = gradients(which)
+        assert calls == recomputed, (which, calls)  # the chosen blocks ran forward again in the backward pass
+        for expected, actual in zip(plain, checkpointed, strict=True):
+            assert torch.equal(actual, expected), which  # the same dropout masks, the same gradients
