@@ -28,14 +28,15 @@ from helpers import (
 )
 
 DEFAULT_FILES = {
-    ".cookiecutter.json", ".gitignore", "MANIFEST.in", "README.md", "pyproject.toml", "run_node.sh", "train.py",
+    ".cookiecutter.json", ".dockerignore", ".gitignore", "Dockerfile", "MANIFEST.in", "README.md", "pyproject.toml",
+    "run_node.sh", "train.py",
     "slurm/train.sbatch",
     "tests/harness.py", "tests/test_smoke.py",
     *(f"ddp_training/{name}.py" for name in
       ("__init__", "checkpoint/__init__", "checkpoint/common", "checkpoint/replicated", "checkpoint/sharded",
        "checkpoint/folder", "collectives", "data", "distributed", "errors", "evaluation", "export", "failure",
-       "metrics", "optim", "options", "parallel", "preflight", "reproducibility", "spec", "streaming", "task",
-       "trackers", "watchdog")),
+       "metrics", "optim", "options", "parallel", "preflight", "profiling", "reproducibility", "selection", "spec",
+       "streaming", "task", "trackers", "watchdog")),
 }
 
 # Every value class each answer admits; each is baked and checked.
@@ -127,6 +128,30 @@ def test_sdist_holds_what_the_project_runs_and_its_tests_need(default_project, t
     assert status.returncode == 0, status.stderr
     untracked = {line[3:] for line in status.stdout.splitlines()}
     assert untracked == DEFAULT_FILES, "only the project's own files may show up in git"
+
+
+def test_the_dockerfile_copies_what_exists_and_runs_the_projects_launch_command(bake):
+    # No Docker engine on the machines that run this suite: the Dockerfile is read with Docker's own parser
+    # (the `dockerfile` package wraps it), and what it names is checked against the bake.
+    import dockerfile
+
+    project = bake(use_kubernetes="yes", project_name="In A Container")
+
+    commands = dockerfile.parse_file(str(project / "Dockerfile"))
+    assert [(c.cmd, c.value) for c in commands[:2]] == [("ARG", ("BASE=python:3.11-slim",)), ("FROM", ("${BASE}",))]
+    for copy in (c for c in commands if c.cmd == "COPY"):
+        *sources, _ = copy.value
+        assert all((project / source).exists() for source in sources), copy.original
+    [install] = [c for c in commands if c.cmd == "RUN"]
+    assert "pip install" in install.value[0] and '"${TORCH_INDEX}" .' in install.value[0]
+    [entry] = [c for c in commands if c.cmd == "ENTRYPOINT"]
+    assert entry.json and entry.value == ("./run_node.sh",) and (project / "run_node.sh").stat().st_mode & 1
+    # The manifest runs torchrun in the image's working folder, where train.py is.
+    assert [c.value for c in commands if c.cmd == "WORKDIR"] == [("/app",)]
+    manifest = (project / "k8s" / "pytorchjob.yaml").read_text()
+    assert 'command: ["torchrun", "train.py"]' in manifest and "./Dockerfile" in manifest
+    ignored = (project / ".dockerignore").read_text().split()
+    assert {"checkpoints/", "runs/", ".git/"} <= set(ignored)
 
 
 def test_recorded_answers_are_every_answer_given(default_project):
