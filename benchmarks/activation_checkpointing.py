@@ -20,9 +20,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from cookiecutter.main import cookiecutter
-
 from common import TEMPLATE_ROOT, spread
+from cookiecutter.main import cookiecutter
 
 
 def kept_bytes_and_grads(package, options, args, which: str, tokens):
