@@ -61,7 +61,7 @@ def test_a_config_file_reproduces_a_run_whose_best_checkpoint_is_kept_and_which_
         state["options"].pop("ckpt_dir")
         state["options"].pop("ckpt_every")
     assert_bitwise_equal(resumed, expected)
-    assert resumed["selection"] == {"best_step": 10, "best_value": expected["selection"]["best_value"],
+    assert resumed["selection"] == {"metric": "loss", "mode": "max", "best_step": 10, "best_value": expected["selection"]["best_value"],
                                     "evaluations_since_best": 2}
 
     exported = run(["python", "-m", "ddp_training.export", "--best", str(killed), str(tmp_path / "best.pt")],
@@ -78,6 +78,10 @@ def test_a_config_files_bad_key_or_value_is_one_line(baked_train, tmp_path, caps
         ("lr: fast\n", "error: --config {path}: argument --lr: invalid float value: 'fast'"),
         ("compile: 1\n", "error: --config {path}: compile must be true or false, got 1"),
         ("- lr\n", "error: --config {path} must map option names to values (lr: 0.0003), not hold a list"),
+        ("lr: [0.1\n", "error: --config {path} is not valid YAML: "),
+        ("lr:\n", "error: --config {path}: lr needs a value"),
+        ("profile_steps: 10:3\n", "error: --config {path}: profile_steps is text; quote it (profile_steps: '603')"),
+        ("keep_best: loss:min\neval_every: 0\n", "error: --keep-best judges evaluations, which --eval-every 0"),
     ]:
         path = tmp_path / "bad.yaml"
         path.write_text(text)
@@ -106,6 +110,15 @@ def test_activation_checkpointing_recomputes_dropout_exactly(baked_module):
         model(torch.randn(8, 16)).square().sum().backward()
         return [parameter.grad for parameter in model.parameters()], [block.calls for block in model[0]]
 
+    # A block whose BatchNorm would count its running statistics twice (the recomputation is a forward too).
+    class Normed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.BatchNorm1d(4)
+
+    with pytest.raises(baked_module("errors").UsageError, match="block 0.1 holds BatchNorm 0.1.norm, whose running"):
+        parallel.checkpoint_activations(torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(4, 4), Normed())),
+                                        "full")
     plain, calls = gradients("none")
     assert calls == [1, 1, 1, 1]
     for which, recomputed in (("full", [2, 2, 2, 2]), ("every-2", [1, 2, 1, 2])):

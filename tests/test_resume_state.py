@@ -141,7 +141,7 @@ def test_new_state_starts_fresh_on_request_another_lr_is_scheduled_and_retention
     changed = state["optimizer"]["param_groups"][0]["lr"]
     assert changed == pytest.approx(2 * reference, rel=1e-12), (changed, reference)
     assert int(state["step_counter"]["count"]) == 4, "started fresh at the resumed step"
-    assert state["entries"] == ["grad_scaler", "lr_schedule", "model", "optimizer", "step_counter"]
+    assert state["entries"] == ["grad_scaler", "lr_schedule", "model", "optimizer", "selection", "step_counter"]
     # The next restart restores it like any other entry, without the flag (here on one rank: 2 steps of 8).
     edited(project, "train.py", *reversed(STEP_COUNTER))
     launch(project, ckpt_dir, one_process=True, max_steps=10)

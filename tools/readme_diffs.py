@@ -260,10 +260,11 @@ EMA = {
     "train.py": [
         ("from PACKAGE.optim import (\n", "from PACKAGE.optim import (\n    ExponentialMovingAverage,\n"),
         ('''    checkpointer = build_checkpointer(options, env, device, model=model, optimizer=optimizer,
-                                      lr_schedule=lr_schedule, grad_scaler=amp, **stream, **judged)
+                                      lr_schedule=lr_schedule, grad_scaler=amp, selection=selection, **stream)
 ''', '''    ema = ExponentialMovingAverage(model, decay=0.99)  # what each epoch's evaluation uses
     checkpointer = build_checkpointer(options, env, device, model=model, optimizer=optimizer,
-                                      lr_schedule=lr_schedule, grad_scaler=amp, ema=ema, **stream, **judged)
+                                      lr_schedule=lr_schedule, grad_scaler=amp, ema=ema, selection=selection,
+                                      **stream)
 '''),
         ('            with watchdog.slow_phase("evaluating"):\n',
          '            with watchdog.slow_phase("evaluating"), ema.swapped_into(model):\n'),

@@ -60,7 +60,7 @@ from {{ cookiecutter.package_name }}.parallel import (
     uses_channels_last,
     wrap_model,
 )
-from {{ cookiecutter.package_name }}.profiling import StepProfiler
+from {{ cookiecutter.package_name }}.profiling import StepProfiler, record_memory_history
 from {{ cookiecutter.package_name }}.reproducibility import seed_and_choose_kernels
 from {{ cookiecutter.package_name }}.selection import ModelSelection
 from {{ cookiecutter.package_name }}.spec import Task
@@ -93,18 +93,17 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     lr_schedule = LearningRateSchedule(optimizer, options, train_loader.samples_per_epoch, samples_per_step)
     # A streamed training set's position is the job's, not a step count: it is saved with the rest.
     stream = {"stream_position": train_loader} if train_loader.streamed else {}
-    # --keep-best, --early-stop-patience: the best evaluation so far, and how many came after it, saved too.
+    # --keep-best, --early-stop-patience: the best evaluation so far, and how many came after it.
     selection = ModelSelection(options, env)
-    judged = {"selection": selection} if selection.enabled else {}
     checkpointer = build_checkpointer(options, env, device, model=model, optimizer=optimizer,
-                                      lr_schedule=lr_schedule, grad_scaler=amp, **stream, **judged)
+                                      lr_schedule=lr_schedule, grad_scaler=amp, selection=selection, **stream)
     progress = checkpointer.resume()
-    profiler = StepProfiler(options, env, device, watchdog)  # --profile-steps, --memory-snapshot
-    profiler.after_step(progress.step)
+    profiler = StepProfiler(options, env, device, watchdog)  # --profile-steps
+    profiler.before_step(progress.step + 1)
     first_step = progress.step + 1  # of this run
     if options.eval_every:  # one held-out batch now, so a bug in the evaluation path shows before training
         with watchdog.slow_phase("checking evaluation on one batch"):
-            evaluate(model, eval_loader, device, amp, task, max_batches=1)
+            selection.check_metric(evaluate(model, eval_loader, device, amp, task, max_batches=1))
     meter = build_meter(options, env, device, planned_steps(options, train_loader.steps_per_epoch),
                         done_steps=progress.step, unit=task.throughput_unit,
                         flops_per_unit=task.model_flops_per_unit(model, options),
@@ -121,11 +120,11 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
                 break
             meter.log_evaluation(progress.step, progress.epoch, results)
             progress.evaluation_due = False
-            if selection.is_new_best(results, progress.step):  # saved now, and kept by retention
+            if selection.judge(results, progress.step, stop.decided_by_rank_0):  # the best so far: saved, kept
                 with watchdog.slow_phase("saving the best checkpoint"):
                     checkpointer.save(progress, wait=True)
                 selection.write_record()
-        if progress.finished(options.epochs, options.max_steps) or selection.stops_training(stop.decided_by_rank_0):
+        if progress.finished(options.epochs, options.max_steps) or selection.out_of_patience():
             break
         train_loader.start_epoch(progress.epoch, progress.samples_in_epoch)  # mid-epoch: at the next unseen sample
         for micro_step, batch in enumerate(meter.timed(train_loader), start=1):
@@ -146,8 +145,8 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
             optimizer.zero_grad(set_to_none=True)
             progress.advance(samples_per_step)
             meter.end_step(progress, lr, grad_norm)
+            profiler.before_step(progress.step + 1)  # before the beat: a profiled step is a slow one
             watchdog.beat(progress.step)
-            profiler.after_step(progress.step)
             if progress.step == first_step and check_replicas_match(model, progress.step):  # again at each save
                 log.info("step %d: every rank holds the same parameters", progress.step)
             if progress.step % options.ckpt_every == 0:
@@ -161,6 +160,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
             stop_requested = stop.agreed_now(watchdog.sigterm_received)  # not after a long evaluation
 
     # meter.close() inside the phase, also on the SIGTERM exit: a tracker's last rows are sent within its limit.
+    profiler.close()  # a run that ended inside the profiled steps still writes their trace
     with watchdog.slow_phase("final checkpoint and evaluation"), contextlib.closing(meter):
         checkpointer.save(progress, wait=True)  # before the evaluation, so a failing evaluation loses no training
         if stop_requested:  # preemption, or torchrun stopping the group
@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         task = TASK  # everything task.py gives the package: its datasets, models, loss, evaluation
         options = parse_options(argv, task.options, task.training_defaults)
         device = select_device(options.device, env)
+        record_memory_history(options, device, env)  # --memory-snapshot: from before the model is built
         # Bad input fails here, on every rank, before any process group or download starts.
         task.check(options)
         check_checkpoint_dir(options.ckpt_dir)

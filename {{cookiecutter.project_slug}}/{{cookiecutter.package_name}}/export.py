@@ -35,16 +35,21 @@ def newest_checkpoint(ckpt_dir: Path) -> Path:
 
 def best_checkpoint(ckpt_dir: Path) -> Path:
     """The checkpoint that CKPT_DIR/best.json names: the best evaluation of a run with --keep-best."""
+    if not ckpt_dir.is_dir() or (ckpt_dir / ".metadata").exists():
+        raise SystemExit(f"error: --best takes the --ckpt-dir that holds best.json, not a checkpoint ({ckpt_dir})")
     try:
-        best = json.loads((ckpt_dir / BEST_RECORD).read_text())
+        step = int(json.loads((ckpt_dir / BEST_RECORD).read_text())["step"])
     except FileNotFoundError:
         raise SystemExit(f"error: {ckpt_dir} has no {BEST_RECORD}: train with --keep-best METRIC:min|max, or "
                          "leave out --best to export the newest checkpoint") from None
-    for step, path in every_checkpoint(ckpt_dir):
-        if step == best["step"] and (path.is_file() or missing_pieces(path) is None):
+    except (ValueError, KeyError, TypeError):
+        raise SystemExit(f"error: {ckpt_dir / BEST_RECORD} is not what training writes (a step number); the "
+                         "next start of the job rewrites it") from None
+    for found, path in every_checkpoint(ckpt_dir):
+        if found == step and (path.is_file() or missing_pieces(path) is None):
             return path
-    raise SystemExit(f"error: {ckpt_dir / BEST_RECORD} names step {best['step']}, whose checkpoint is not there "
-                     "whole; the next start of the job rewrites it from the newest checkpoint")
+    raise SystemExit(f"error: {ckpt_dir / BEST_RECORD} names step {step}, whose checkpoint is not there whole; "
+                     "the next start of the job rewrites it from the newest checkpoint")
 
 
 def load_model_weights(checkpoint: Path) -> dict[str, torch.Tensor]:

@@ -96,8 +96,9 @@ class TrainOptions:
         1800, "the same for start-up (downloads, compilation, the first step), checkpoint I/O and evaluation")
     keep_best: str | None = option(
         None, "METRIC:min or METRIC:max (loss:min, accuracy:max: a metric the evaluation reports): after each "
-        "epoch's evaluation that beats every one before, save a checkpoint, which retention never deletes; "
-        "CKPT_DIR/best.json names it and `export --best CKPT_DIR` writes it")
+        "epoch's evaluation (--eval-every) that beats every one before, save a checkpoint, which retention never "
+        "deletes; CKPT_DIR/best.json names it and `export --best CKPT_DIR` writes it. The evaluation after a "
+        "--max-steps stop part-way through an epoch is not judged")
     early_stop_patience: int | None = option(
         None, "with --keep-best: end training after this many evaluations in a row without a better metric "
         "(decided by rank 0 for every rank; a resumed job goes on counting)")
@@ -106,9 +107,9 @@ class TrainOptions:
         "LOG_DIR/profile/trace-rank-<RANK>.json (open it in ui.perfetto.dev); the watchdog allows them "
         "--io-timeout")
     memory_snapshot: bool = option(
-        False, "CUDA: record the allocator's history from the start, and dump LOG_DIR/profile/"
-        "memory-rank-<RANK>.pickle (for pytorch.org/memory_viz) at the end of --profile-steps and on an "
-        "out-of-memory error")
+        False, "CUDA: record the allocator's history from the start, and dump it to LOG_DIR/profile/"
+        "memory-rank-<RANK>-step-<N>.pickle at the end of --profile-steps, and -out-of-memory.pickle on an "
+        "out-of-memory error (open them in pytorch.org/memory_viz)")
     activation_checkpointing: str = option(
         "none", "none, full, or every-N: keep only the inputs of every (or every Nth) block of the model (the "
         "blocks FSDP2 shards) in the forward pass and recompute the rest in the backward pass: less memory for "
@@ -144,9 +145,12 @@ class TrainOptions:
                 raise UsageError(f"--{flag(name)} must be > 0 seconds, got {getattr(self, name)}")
         if self.clip_grad is not None and not self.clip_grad > 0:
             raise UsageError(f"--clip-grad must be > 0 (or left out for no clipping), got {self.clip_grad}")
-        if self.keep_best is not None and not re.fullmatch(r"\w+:(min|max)", self.keep_best):
+        if self.keep_best is not None and not re.fullmatch(r"\S+:(min|max)", self.keep_best):
             raise UsageError(f"--keep-best must be METRIC:min or METRIC:max (e.g. loss:min, accuracy:max), got "
                              f"{self.keep_best!r}")
+        if self.keep_best is not None and not self.eval_every:
+            raise UsageError("--keep-best judges evaluations, which --eval-every 0 turns off; evaluate every epoch "
+                             "or every few (--eval-every N)")
         if self.early_stop_patience is not None and (self.keep_best is None or self.early_stop_patience < 1):
             raise UsageError("--early-stop-patience needs --keep-best METRIC:min|max (the metric it waits on) and a "
                              f"value >= 1, got {self.early_stop_patience}")
@@ -248,7 +252,9 @@ def parse_options(argv: list[str] | None, task_options: type,
     argv = accept_underscores(sys.argv[1:] if argv is None else argv)
     config_file = parser.parse_known_args(argv)[0].config  # a bad flag is parse_args' to report, below
     if config_file:
-        parser.set_defaults(**read_config(config_file, parser))
+        optional = {name for kind in (TrainOptions, task_options) for name, hint in typing.get_type_hints(kind).items()
+                    if type(None) in typing.get_args(hint)}
+        parser.set_defaults(**read_config(config_file, parser, optional))
     namespace = vars(parser.parse_args(argv))
     del namespace["config"]
     print_config = namespace.pop("print_config")
@@ -265,7 +271,7 @@ def parse_options(argv: list[str] | None, task_options: type,
     return options
 
 
-def read_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
+def read_config(path: str, parser: argparse.ArgumentParser, may_be_none: set[str]) -> dict[str, Any]:
     """The options a --config file (YAML, or TOML) sets, by field name, each checked as its flag would be."""
     try:
         text = Path(path).read_text()
@@ -278,9 +284,9 @@ def read_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
             import yaml  # here: only a run with --config pays for importing it
 
             values = yaml.safe_load(text) or {}
-    except ValueError as error:  # yaml.YAMLError and TOMLDecodeError are ValueErrors
+    except Exception as error:  # noqa: BLE001 - yaml.YAMLError (an Exception) or tomllib's TOMLDecodeError
         raise UsageError(f"--config {path} is not valid {'TOML' if path.endswith('.toml') else 'YAML'}: "
-                         f"{str(error).splitlines()[0]}") from None
+                         f"{' '.join(str(error).split())}") from None
     if not isinstance(values, dict):
         raise UsageError(f"--config {path} must map option names to values (lr: 0.0003), not hold a "
                          f"{type(values).__name__}")
@@ -294,8 +300,14 @@ def read_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
                              + (f"; did you mean '{close[0]}'?" if close else "; see python train.py --help"))
         action = known[name]
         if value is None:
+            if name not in may_be_none:
+                raise UsageError(f"--config {path}: {key} needs a value")
             checked[name] = None
             continue
+        if (action.type is str or action.choices) and not isinstance(value, str):
+            # YAML reads 10:3 as 603 and 0755 as 493: a value meant as text must not change on the way.
+            raise UsageError(f"--config {path}: {key} is text; quote it ({key}: '{value}') so that YAML keeps it "
+                             "as written")
         if isinstance(action, argparse.BooleanOptionalAction):
             if not isinstance(value, bool):
                 raise UsageError(f"--config {path}: {key} must be true or false, got {value!r}")
@@ -325,7 +337,8 @@ def config_text(options: TrainOptions) -> str:
 
     def lines(values: dict[str, Any]) -> str:
         return "".join(yaml.safe_dump({name: value}, sort_keys=False) for name, value in values.items())
-    training = {spec.name: getattr(options, spec.name) for spec in dataclasses.fields(options) if spec.name != "task"}
+    training = {spec.name: getattr(options, spec.name) for spec in dataclasses.fields(options)
+                if spec.name not in ("task", "resume_changed_state")}  # that one is for one resume, not a run
     return ("# python train.py --config THIS_FILE runs with these options; a flag given as well wins over the file\n"
             "# what is trained (task.py)\n" + lines(dataclasses.asdict(options.task)) + "# training\n"
             + lines(training))

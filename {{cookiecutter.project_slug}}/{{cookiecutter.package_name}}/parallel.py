@@ -55,20 +55,31 @@ def wrap_model(model: torch.nn.Module, device: torch.device, strategy: str = "dd
 def checkpoint_activations(model: nn.Module, which: str) -> None:
     """--activation-checkpointing full or every-N: each chosen block (of shardable_blocks, the ones FSDP2 shards)
     keeps only its inputs in the forward pass and runs forward again in the backward pass, for the activations
-    its gradients need. torch.utils.checkpoint, non-reentrant: it restores the CPU and CUDA generators for the
-    recomputation, so dropout draws the same masks (the gradients are those without it, bit for bit), and
-    it runs under DDP, FSDP2 and torch.compile (as torchtitan applies it). The block's forward is replaced on
-    the instance, so parameter names, and with them checkpoints and exports, stay as they are."""
+    its gradients need. torch.utils.checkpoint, non-reentrant, as torchtitan applies it: it runs under DDP and
+    FSDP2 (whose hooks all-gather the block again for the recomputation), and in eager mode it restores the
+    CPU and CUDA generators first, so dropout draws the same masks and the gradients are those without it, bit
+    for bit (under --compile the compiler replays dropout's randomness itself). The block's forward is replaced
+    on the instance, so parameter names, and with them checkpoints and exports, stay as they are."""
     if which == "none":
         return
     from torch.utils.checkpoint import checkpoint
 
     every = 1 if which == "full" else int(which.removeprefix("every-"))
+    names = {module: name for name, module in model.named_modules()}
     blocks = shardable_blocks(model)[every - 1::every]
     for block in blocks:
+        # The recomputation runs the forward a second time in training mode: running statistics would move twice.
+        tracked = [names[module] for module in block.modules()
+                   if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats]
+        if tracked:
+            raise UsageError(f"--activation-checkpointing {which}: block {names[block] or 'the model'} holds "
+                             f"BatchNorm {tracked[0]}, whose running statistics the recomputation in the backward "
+                             "pass would update a second time; use --activation-checkpointing none with this "
+                             "model, or a norm without running statistics (LayerNorm, GroupNorm)")
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-    log.info("activation checkpointing: %d of %d blocks recompute their activations in the backward pass",
-             len(blocks), len(shardable_blocks(model)))
+    log.info("activation checkpointing: %d of %d blocks recompute their activations in the backward pass (%s)",
+             len(blocks), len(shardable_blocks(model)), ", ".join(names[block] for block in blocks[:8])
+             + (", ..." if len(blocks) > 8 else ""))
 
 
 def shard_model(model: nn.Module, param_dtype: torch.dtype | None) -> None:

@@ -448,14 +448,14 @@ class StopAgreement:
         self.pending = (flag, work)
         return stop
 
-    def decided_by_rank_0(self, decision: bool) -> bool:
-        """Rank 0's decision (an early stop), on every rank: one blocking broadcast on the side group, after the
-        all-reduces before it (one group runs its collectives in order)."""
+    def decided_by_rank_0(self, values: list[float]) -> list[float]:
+        """Rank 0's values (a verdict on an evaluation), on every rank: one blocking broadcast on the side group,
+        after the all-reduces before it (one group runs its collectives in order)."""
         if self.group is None:
-            return decision
-        flag = torch.tensor([int(decision)], dtype=torch.int32)
-        dist.broadcast(flag, src=0, group=self.group)  # the side group holds every rank: global rank 0 is its 0
-        return bool(flag.item())
+            return values
+        sent = torch.tensor(values, dtype=torch.float64)
+        dist.broadcast(sent, src=0, group=self.group)  # the side group holds every rank: global rank 0 is its 0
+        return sent.tolist()
 
     def agreed_now(self, received: bool) -> bool:
         """The same, up to this moment (a blocking all-reduce): before a long phase, such as an epoch's

@@ -239,11 +239,10 @@ class Checkpointer:
 
     def resume(self) -> TrainingProgress:
         """Load the newest valid checkpoint into the components (a collective); a fresh start if none."""
-        if self.env.rank == 0:  # this run's options beside its checkpoints, as a --config file
-            write_text(self.ckpt_dir / CONFIG_RECORD, config_text(self.options))
         newest = self.find_newest()
         if newest is None:
             log.info("no valid checkpoint in %s; starting from scratch", self.ckpt_dir)
+            self.record_config()
             return TrainingProgress()
         source, saved_options = newest
         self.changed_options = check_resumed_options(saved_options, self.options, source)
@@ -257,6 +256,7 @@ class Checkpointer:
         except (RuntimeError, ValueError, KeyError) as error:
             raise checkpoint_mismatch(source, error) from None
         restore_rng_states(state, self.env, self.device)
+        self.record_config()  # once the resume was accepted: a refused one leaves the record as it was
         saved = state["progress"]
         progress = TrainingProgress(**{spec.name: saved[spec.name] for spec in fields(TrainingProgress)
                                        if spec.name in progress_fields})
@@ -269,6 +269,11 @@ class Checkpointer:
                      "samples seen and continues unchanged, --max-steps still counts steps", self.env.world_size,
                      saved["world_size"])
         return progress
+
+    def record_config(self) -> None:
+        """This run's options beside its checkpoints, as a --config file (rank 0)."""
+        if self.env.rank == 0:
+            write_text(self.ckpt_dir / CONFIG_RECORD, config_text(self.options))
 
     def check_saved_entries(self, source: Path, entries: set[str], progress_fields: set[str]) -> set[str]:
         """The components to restore from `source`. A checkpoint that does not hold what this code saves (state
