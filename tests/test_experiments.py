@@ -61,8 +61,8 @@ def test_a_config_file_reproduces_a_run_whose_best_checkpoint_is_kept_and_which_
         state["options"].pop("ckpt_dir")
         state["options"].pop("ckpt_every")
     assert_bitwise_equal(resumed, expected)
-    assert resumed["selection"] == {"metric": "loss", "mode": "max", "best_step": 10, "best_value": expected["selection"]["best_value"],
-                                    "evaluations_since_best": 2}
+    assert resumed["selection"] == {"metric": "loss", "mode": "max", "best_step": 10, "evaluations_since_best": 2,
+                                    "best_value": expected["selection"]["best_value"]}
 
     exported = run(["python", "-m", "ddp_training.export", "--best", str(killed), str(tmp_path / "best.pt")],
                    cwd=default_project)
