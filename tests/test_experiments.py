@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+import yaml
 from helpers import (
     assert_bitwise_equal,
     checkpoint,
@@ -37,6 +38,7 @@ def test_a_config_file_reproduces_a_run_whose_best_checkpoint_is_kept_and_which_
     assert printed.returncode == 0 and "keep_best: loss:max\n" in printed.stdout, printed
     config = tmp_path / "experiment.yaml"
     config.write_text(printed.stdout)
+    resolved = yaml.safe_load(printed.stdout)
     # The file alone, plus a profile of steps 2 and 3 (which changes no number: the bitwise check below).
     result = run_job(default_project, ["--config", str(config), "--profile-steps", "2:2", "--log-dir",
                                        str(tmp_path / "logs")])
@@ -48,6 +50,12 @@ def test_a_config_file_reproduces_a_run_whose_best_checkpoint_is_kept_and_which_
                    for event in trace["traceEvents"]), f"rank {rank}: an empty trace"
     assert sorted(path.name for path in uninterrupted.glob("step-*")) == ["step-10.pt", "step-30.pt"]
     assert json.loads((uninterrupted / "best.json").read_text())["step"] == 10
+    # What the run recorded is what the flags resolved to, every option (the profile's two flags aside; a config
+    # leaves out --resume-changed-state, meant for one resume), and its config.yaml reads back the same.
+    recorded = checkpoint(uninterrupted, 30)["options"]
+    assert recorded.pop("resume_changed_state") is False
+    assert {**recorded, "profile_steps": None, "log_dir": None} == resolved
+    assert yaml.safe_load((uninterrupted / "config.yaml").read_text()) == recorded
 
     # The same file with --ckpt-dir given on the command line, which wins; a worker killed after step 24's
     # checkpoint, between the second evaluation (no better: patience 1 of 2) and the third.

@@ -63,7 +63,8 @@ def uninterrupted(fsdp_project, tmp_path_factory) -> Path:
 
 
 def test_sharded_checkpoints_are_complete_step_folders(fsdp_project, uninterrupted, tmp_path):
-    assert sorted(path.name for path in uninterrupted.iterdir()) == [".lease", "step-12", "step-4", "step-8"]
+    assert sorted(path.name for path in uninterrupted.iterdir()) == [".lease", "config.yaml", "step-12", "step-4",
+                                                                     "step-8"]
     for folder in uninterrupted.glob("step-*"):
         assert (folder / ".metadata").is_file()
         assert sorted(path.name for path in folder.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]

@@ -135,7 +135,8 @@ def test_new_state_starts_fresh_on_request_another_lr_is_scheduled_and_retention
     result = launch(project, ckpt_dir, max_steps=8, keep_checkpoints=1, resume_changed_state=True, lr=0.02)
     assert "--resume-changed-state: this code saves step_counter, which it lacks" in result.stderr
     assert f"resuming from {ckpt_dir / 'step-4.pt'} (step 4" in result.stderr and "--lr 0.01 -> 0.02" in result.stderr
-    assert sorted(path.name for path in ckpt_dir.iterdir()) == [".lease", "step-12.pt.unreadable", "step-8.pt"]
+    assert sorted(path.name for path in ckpt_dir.iterdir()) == [".lease", "config.yaml", "step-12.pt.unreadable",
+                                                                "step-8.pt"]
     state = checkpoint(ckpt_dir, 8)
     reference = checkpoint(uninterrupted_bare, 8)["optimizer"]["param_groups"][0]["lr"]
     changed = state["optimizer"]["param_groups"][0]["lr"]

@@ -136,7 +136,8 @@ class Tracker:
             self.warn(f"{options.tracker} is not installed (pip install -e '.[{options.tracker}]')", error)
             return
         config = {**every_option(options), "world_size": env.world_size, "nodes": env.num_nodes}
-        resumed = f"at step {resumed_step} on {env.world_size} ranks (restart {env.restart_count})" + (
+        ranks = f"{env.world_size} rank{'s' if env.world_size > 1 else ''}"
+        resumed = f"at step {resumed_step} on {ranks} (restart {env.restart_count})" + (
             f"; {'; '.join(changes)}" if changes else "; no option changed")
         self.thread = threading.Thread(target=self.send, name="tracker", daemon=True,
                                        args=(TRACKERS[options.tracker], library, options, resumed_step, config,
