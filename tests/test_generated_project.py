@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -241,12 +242,17 @@ def test_on_nccl_the_hang_report_uses_torchs_flight_recorder(baked_train, tmp_pa
     (1, "1", "torchrun has no restart left (--max-restarts 1), so the job ends; run the same command to resume"),
     (0, None, "torchrun has no restart left (--max-restarts 0), so the job ends; run the same command to resume"),
 ], ids=["restart_left", "none_left", "plain_torchrun"])
-def test_a_lost_peer_or_a_taken_port_is_one_line_that_says_what_happens_next(baked_train, capsys,
+def test_a_lost_peer_or_a_taken_port_is_one_line_that_says_what_happens_next(baked_train, capsys, monkeypatch,
                                                                              restart_count, max_restarts, then):
     # Plain torchrun restarts nothing unless given --max-restarts: a line promising a restart would mislead.
     import torch.distributed as dist
+    from ddp_training import failure
     from ddp_training.distributed import DistEnv, PortTaken
     from ddp_training.failure import end_attempt_after
+
+    # A lost peer's process exits at once (os._exit, after its background write and atexit handlers): here, in
+    # the test's own process, as sys.exit. The kill -9 tests end real ranks that way.
+    monkeypatch.setattr(failure, "exit_at_once", sys.exit)
 
     # Rank 1 of 2 as torchrun starts it (the variables it sets), from which the project reads its environment.
     environ = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",

@@ -28,6 +28,7 @@ from ..reproducibility import restore_rng_states
 from .folder import CONFIG_RECORD, LEASE_FILE, write_text
 
 log = logging.getLogger(__name__)
+BACKGROUND_WRITE = "checkpoint-write"  # the thread of an --async-save write, which a process lets finish
 
 
 @dataclass
@@ -219,7 +220,7 @@ class Checkpointer:
                 write(*args)
             except BaseException as error:  # noqa: BLE001 - raised on the training thread by wait()
                 self._write_error = error
-        self._writing = threading.Thread(target=run, name="checkpoint-write")
+        self._writing = threading.Thread(target=run, name=BACKGROUND_WRITE)
         self._writing.start()
 
     def wait(self) -> None:
