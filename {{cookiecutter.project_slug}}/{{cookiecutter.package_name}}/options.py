@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import difflib
 import logging
+import os
 import re
 import sys
 import types
@@ -266,7 +267,8 @@ def parse_options(argv: list[str] | None, task_options: type,
                            task=task_options(**{name: namespace[name] for name in task_names}))
     options.check()
     if print_config:
-        print(config_text(options), end="")
+        if os.environ.get("RANK", "0") == "0":  # once, also under torchrun
+            print(config_text(options), end="")
         raise SystemExit(0)
     return options
 
