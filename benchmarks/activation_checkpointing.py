@@ -36,10 +36,8 @@ def kept_bytes_and_grads(package, options, args, which: str, tokens):
         storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
         return tensor
 
-    if which != "none":  # a checkpointed block's input stays alive for its recomputation
-        every = 1 if which == "full" else int(which.removeprefix("every-"))
-        for block in package.parallel.shardable_blocks(model)[every - 1::every]:
-            block.register_forward_pre_hook(lambda module, inputs: [keep(x) for x in inputs] and None)
+    for block in package.parallel.blocks_to_checkpoint(model, which):  # its input stays alive for the recompute
+        block.register_forward_pre_hook(lambda module, inputs: [keep(x) for x in inputs] and None)
     torch.manual_seed(1)
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
         logits = model(tokens[:, :-1])

@@ -26,9 +26,14 @@ from .checkpoint.sharded import saved_options
 from .task import TaskOptions
 
 
+def is_whole(checkpoint: Path) -> bool:
+    """A step-<N>.pt file, or a step-<N>/ folder with every shard its index names."""
+    return checkpoint.is_file() or missing_pieces(checkpoint) is None
+
+
 def newest_checkpoint(ckpt_dir: Path) -> Path:
     for _, path in every_checkpoint(ckpt_dir):
-        if path.is_file() or missing_pieces(path) is None:
+        if is_whole(path):
             return path
     raise SystemExit(f"error: no checkpoint in {ckpt_dir}; pass a step-<N>.pt file or step-<N>/ folder")
 
@@ -46,7 +51,7 @@ def best_checkpoint(ckpt_dir: Path) -> Path:
         raise SystemExit(f"error: {ckpt_dir / BEST_RECORD} is not what training writes (a step number); the "
                          "next start of the job rewrites it") from None
     for found, path in every_checkpoint(ckpt_dir):
-        if found == step and (path.is_file() or missing_pieces(path) is None):
+        if found == step and is_whole(path):
             return path
     raise SystemExit(f"error: {ckpt_dir / BEST_RECORD} names step {step}, whose checkpoint is not there whole; "
                      "the next start of the job rewrites it from the newest checkpoint")

@@ -339,17 +339,21 @@ def config_text(options: TrainOptions) -> str:
 
     def lines(values: dict[str, Any]) -> str:
         return "".join(yaml.safe_dump({name: value}, sort_keys=False) for name, value in values.items())
-    training = {spec.name: getattr(options, spec.name) for spec in dataclasses.fields(options)
-                if spec.name not in ("task", "resume_changed_state")}  # that one is for one resume, not a run
+    training = training_options(options)
+    del training["resume_changed_state"]  # for one resume, not a run
     return ("# python train.py --config THIS_FILE runs with these options; a flag given as well wins over the file\n"
             "# what is trained (task.py)\n" + lines(dataclasses.asdict(options.task)) + "# training\n"
             + lines(training))
 
 
+def training_options(options: TrainOptions) -> dict[str, Any]:
+    """The training options alone (not the task's), by field name."""
+    return {spec.name: getattr(options, spec.name) for spec in dataclasses.fields(options) if spec.name != "task"}
+
+
 def every_option(options: TrainOptions) -> dict[str, Any]:
     """The training and the task options as one flat dict, by field name (what checkpoints record)."""
-    training = {spec.name: getattr(options, spec.name) for spec in dataclasses.fields(options) if spec.name != "task"}
-    return {**training, **dataclasses.asdict(options.task)}
+    return {**training_options(options), **dataclasses.asdict(options.task)}
 
 
 def fixed_under_a_checkpoint(options: TrainOptions) -> set[str]:

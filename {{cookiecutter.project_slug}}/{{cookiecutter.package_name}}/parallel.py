@@ -60,13 +60,12 @@ def checkpoint_activations(model: nn.Module, which: str) -> None:
     CPU and CUDA generators first, so dropout draws the same masks and the gradients are those without it, bit
     for bit (under --compile the compiler replays dropout's randomness itself). The block's forward is replaced
     on the instance, so parameter names, and with them checkpoints and exports, stay as they are."""
-    if which == "none":
+    blocks = blocks_to_checkpoint(model, which)
+    if not blocks:
         return
     from torch.utils.checkpoint import checkpoint
 
-    every = 1 if which == "full" else int(which.removeprefix("every-"))
     names = {module: name for name, module in model.named_modules()}
-    blocks = shardable_blocks(model)[every - 1::every]
     for block in blocks:
         # The recomputation runs the forward a second time in training mode: running statistics would move twice.
         tracked = [names[module] for module in block.modules()
@@ -80,6 +79,14 @@ def checkpoint_activations(model: nn.Module, which: str) -> None:
     log.info("activation checkpointing: %d of %d blocks recompute their activations in the backward pass (%s)",
              len(blocks), len(shardable_blocks(model)), ", ".join(names[block] for block in blocks[:8])
              + (", ..." if len(blocks) > 8 else ""))
+
+
+def blocks_to_checkpoint(model: nn.Module, which: str) -> list[nn.Module]:
+    """The blocks --activation-checkpointing names: none, all of shardable_blocks (full), or every Nth."""
+    if which == "none":
+        return []
+    every = 1 if which == "full" else int(which.removeprefix("every-"))
+    return shardable_blocks(model)[every - 1::every]
 
 
 def shard_model(model: nn.Module, param_dtype: torch.dtype | None) -> None:

@@ -24,7 +24,7 @@ class ModelSelection:
 
     def __init__(self, options: TrainOptions, env: DistEnv):
         self.metric, _, mode = (options.keep_best or "").rpartition(":")
-        self.maximize = mode == "max"
+        self.mode = mode or "min"  # "min" or "max"
         self.patience = options.early_stop_patience
         self.ckpt_dir = Path(options.ckpt_dir)
         self.env = env
@@ -55,10 +55,6 @@ class ModelSelection:
                              + (f"no {self.metric}; it reports {', '.join(sorted(results))}" if value is None else
                                 f"{self.metric} as {type(value).__name__}, not one number")) from None
 
-    @property
-    def mode(self) -> str:
-        return "max" if self.maximize else "min"
-
     def judge(self, results: dict, step: int, decided_by_rank_0: Callable[[list[float]], list[float]]) -> bool:
         """After the evaluation at `step`: whether it beats every one before, so that this step's checkpoint is
         saved now and kept. Rank 0 judges and sends its verdict and value to every rank (decided_by_rank_0: the
@@ -68,7 +64,7 @@ class ModelSelection:
             return False
         value = self.value_of(results)
         better = not math.isnan(value) and (self.best_value is None or (
-            value > self.best_value if self.maximize else value < self.best_value))
+            value > self.best_value if self.mode == "max" else value < self.best_value))
         better, value = decided_by_rank_0([float(better), value])
         if better:
             self.best_value, self.best_step, self.evaluations_since_best = value, step, 0
