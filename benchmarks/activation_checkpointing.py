@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from common import TEMPLATE_ROOT, spread
+from common import TEMPLATE_ROOT, scratch_dir, spread
 from cookiecutter.main import cookiecutter
 
 
@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--dropout", type=float, default=0.1)
     args = parser.parse_args()
-    project = Path(cookiecutter(str(TEMPLATE_ROOT), no_input=True, output_dir=str(Path("/tmp") / "ddp-bench-ac"),
+    project = Path(cookiecutter(str(TEMPLATE_ROOT), no_input=True, output_dir=str(scratch_dir("ddp-bench-ac-")),
                                 overwrite_if_exists=True, extra_context={"task": "language_model"}))
     sys.path.insert(0, str(project))
     import torch

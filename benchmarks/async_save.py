@@ -15,11 +15,10 @@ import argparse
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from common import bake_default_project, child_env, spread
+from common import bake_default_project, child_env, scratch_dir, spread
 
 
 def run(project: Path, ckpt_dir: Path, *extra: str) -> tuple[list[float], float]:
@@ -41,7 +40,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=3)
     args = parser.parse_args()
     project = bake_default_project()
-    scratch = Path(tempfile.mkdtemp(prefix="async-save-"))
+    scratch = scratch_dir("async-save-")
     print("| mode | stall per save, s | saves | whole run, s |\n| --- | --- | --- | --- |")
     for mode, extra in (("written at once", ()), ("--async-save", ("--async-save",))):
         stalls, walls = [], []

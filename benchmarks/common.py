@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -13,9 +15,19 @@ from cookiecutter.main import cookiecutter
 TEMPLATE_ROOT = Path(__file__).resolve().parents[1]
 
 
+def scratch_dir(prefix: str = "ddp-bench-") -> Path:
+    """A temporary folder removed when the benchmark exits (a run's checkpoints reach gigabytes, and a disk
+    filled by old runs fails the next job); DDP_BENCH_KEEP=1 keeps it, to read its logs again."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    if os.environ.get("DDP_BENCH_KEEP") == "1":
+        print(f"keeping {path}", file=sys.stderr)
+    else:
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 def bake_default_project() -> Path:
-    output = Path(tempfile.mkdtemp(prefix="ddp-bench-"))
-    return Path(cookiecutter(str(TEMPLATE_ROOT), no_input=True, output_dir=str(output)))
+    return Path(cookiecutter(str(TEMPLATE_ROOT), no_input=True, output_dir=str(scratch_dir())))
 
 
 def spread(values: list[float], figure: str = ".2f") -> str:

@@ -5,7 +5,8 @@ at the end of epoch 1) and measures the time from the kill to the next training 
 must end with weights bitwise equal to an uninterrupted run.
 
     .venv/bin/python benchmarks/fault_recovery.py --trials 20
-    .venv/bin/python benchmarks/fault_recovery.py --analyze /tmp/ddp-bench-XXXX/ddp-training   # a run's logs again
+    DDP_BENCH_KEEP=1 .venv/bin/python benchmarks/fault_recovery.py --trials 20   # keeps the runs to read again:
+    .venv/bin/python benchmarks/fault_recovery.py --analyze /tmp/ddp-bench-XXXX/ddp-training
 """
 
 from __future__ import annotations

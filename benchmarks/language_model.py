@@ -25,12 +25,11 @@ import statistics
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-from common import TEMPLATE_ROOT, child_env
+from common import TEMPLATE_ROOT, child_env, scratch_dir
 from cookiecutter.main import cookiecutter
 
 SIZE = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 128}
@@ -169,7 +168,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--only", choices=["nanogpt", "compute"], default=None)
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="ddp-bench-lm-"))
+    work = scratch_dir("ddp-bench-lm-")
     project = Path(cookiecutter(str(TEMPLATE_ROOT), no_input=True, output_dir=str(work),
                                 extra_context={"task": "language_model"}))
     data = corpus_tokens(work / "tokens")

@@ -16,10 +16,9 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-from common import TEMPLATE_ROOT, child_env, spread
+from common import TEMPLATE_ROOT, child_env, scratch_dir, spread
 from cookiecutter.main import cookiecutter
 
 SAMPLER = '''
@@ -64,7 +63,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--template", default=str(TEMPLATE_ROOT), help="the template checkout to bake")
     args = parser.parse_args()
-    scratch = Path(tempfile.mkdtemp(prefix="resume-memory-"))
+    scratch = scratch_dir("resume-memory-")
     project = Path(cookiecutter(args.template, no_input=True, output_dir=str(scratch / "bake")))
     (scratch / "sitecustomize.py").write_text(SAMPLER)
     saved = scratch / "saved"

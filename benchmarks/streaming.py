@@ -19,11 +19,10 @@ import statistics
 import subprocess
 import sys
 import sysconfig
-import tempfile
 from pathlib import Path
 
 import numpy as np
-from common import TEMPLATE_ROOT, child_env
+from common import TEMPLATE_ROOT, child_env, scratch_dir
 from cookiecutter.main import cookiecutter
 
 SIZE = ["--n-layer", "4", "--n-head", "4", "--n-embd", "128", "--block-size", "128", "--batch-size", "16",
@@ -97,7 +96,7 @@ def main() -> None:
     parser.add_argument("--small-mb", type=float, default=50)
     parser.add_argument("--large-mb", type=float, default=2048)
     options = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="ddp-bench-stream-"))
+    work = scratch_dir("ddp-bench-stream-")
     try:
         project = Path(cookiecutter(str(TEMPLATE_ROOT), no_input=True, output_dir=str(work),
                                     extra_context={"task": "language_model"}))
