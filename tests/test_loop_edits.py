@@ -11,8 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import kill_a_worker_and_finish, readme_block, run, run_job, start_job, tiny_run
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from helpers import (
+    assert_same,
+    checkpoint_state,
+    kill_a_worker_and_finish,
+    readme_block,
+    run,
+    run_job,
+    start_job,
+    tiny_run,
+)
 
 pytestmark = pytest.mark.slow  # torchrun jobs: `make test-fast` leaves these out
 
@@ -24,32 +32,6 @@ def patch(project: Path, diff: str, *options: str) -> str:
     result = subprocess.run(["patch", "-p1", *options], input=diff, cwd=project, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
-
-
-def checkpoint_state(ckpt_dir: Path, step: int, scratch: Path) -> dict:
-    path = ckpt_dir / f"step-{step}"
-    if path.is_dir():  # FSDP2: DCP shards, reassembled by torch's own converter
-        whole = scratch / f"{ckpt_dir.name}-{step}.pt"
-        dcp_to_torch_save(path, whole)
-        return torch.load(whole, weights_only=True)
-    return torch.load(path.with_suffix(".pt"), weights_only=True)
-
-
-def assert_same(actual, expected, path: str = "") -> None:
-    """Bitwise equality of nested dicts, lists, tensors and numbers."""
-    assert type(actual) is type(expected), f"{path}: {type(actual).__name__} != {type(expected).__name__}"
-    if isinstance(expected, dict):
-        assert actual.keys() == expected.keys(), f"{path}: {sorted(actual)} != {sorted(expected)}"
-        for key in expected:
-            assert_same(actual[key], expected[key], f"{path}.{key}")
-    elif isinstance(expected, list | tuple):
-        assert len(actual) == len(expected), path
-        for index, (left, right) in enumerate(zip(actual, expected, strict=True)):
-            assert_same(left, right, f"{path}[{index}]")
-    elif isinstance(expected, torch.Tensor):
-        assert torch.equal(actual, expected), f"{path} differs"
-    else:
-        assert actual == expected, f"{path}: {actual!r} != {expected!r}"
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """task.py is the one file a user edits: the README's examples (a regression on a CSV, dict batches, a metric
-over the whole held-out set) apply to a baked project and train on 2 ranks; those that change training resume
-bitwise, and the project's own smoke tests pass; an unknown name says where to add it; a bug in the evaluation
-path shows before the first step; evaluation sums of any shape, with a collective inside, do not hang."""
+over the whole held-out set, two networks stepped in turn, a frozen teacher) apply to a baked project and train
+on 2 ranks; those that change training resume bitwise, and the project's own smoke tests pass; an unknown name
+says where to add it; a bug in the evaluation path shows before the first step; evaluation sums of any shape,
+with a collective inside, do not hang."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import pytest
 from helpers import (
     assert_bitwise_equal,
     assert_project_tests_pass,
+    assert_same,
     checkpoint,
+    checkpoint_state,
     flags,
     kill_a_worker_and_finish,
     metric_rows,
@@ -23,6 +26,7 @@ from helpers import (
     run_job,
     smoke_test_args,
     start_job,
+    task_field,
     tiny_run,
     with_task_code,
 )
@@ -203,3 +207,52 @@ def test_readme_whole_set_metric_example_gathers_every_row_once(bake, tmp_path):
     evaluations = [row for row in rows if row["kind"] == "eval"]  # after epoch 0 and at the end
     assert len(evaluations) == 2 and all(row["samples"] == 129 and 0.5 < row["auc"] <= 1 for row in evaluations), \
         evaluations
+
+
+SHAPES = {"adversarial": "A GAN on", "distilled": "A student distilled"}  # --model: where its README diff is
+
+
+@pytest.mark.slow
+@pytest.mark.starts_first  # five launches, two with a restart
+@pytest.mark.parametrize("model", SHAPES)
+def test_networks_stepped_in_turn_and_a_frozen_teacher_need_task_py_alone(bake, tmp_path, model):
+    """Each README diff, task.py alone: the project's own tests pass (2 ranks train one model; a run resumed from
+    the middle checkpoint ends bit for bit where theirs did), and under DDP and FSDP2 a job with a worker killed
+    (kill -9) ends with every checkpoint entry bitwise equal to an uninterrupted run's (the DDP one: the project
+    tests' own)."""
+    project = bake(project_name=f"Shape {model}")
+    apply_readme_example(project, tmp_path, SHAPES[model])
+    assert f"--model {model}" in " ".join(smoke_test_args(project))
+    own = run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "own")],
+              cwd=project, timeout=600)
+    assert own.returncode == 0 and re.search(r"\b2 passed\b", own.stdout), own.stdout[-4000:]
+
+    steps = (task_field(project, "smoke_test_learning") or (20,))[0]  # as the project's tests run it
+
+    def run_args(ckpt_dir: Path, strategy: str) -> list[str]:
+        return [*smoke_test_args(project), "--strategy", strategy,
+                *flags(ckpt_dir=ckpt_dir, max_steps=steps, ckpt_every=steps // 2, log_every=1)]
+    fsdp2 = run_job(project, run_args(tmp_path / "fsdp2", "fsdp2"))
+    assert fsdp2.returncode == 0, fsdp2.stderr[-4000:]
+    states = {}
+    for strategy, uninterrupted in (("ddp", tmp_path / "own" / "checkpoints0"), ("fsdp2", tmp_path / "fsdp2")):
+        killed = start_job(project, run_args(tmp_path / strategy, strategy), max_restarts=1)
+        middle = tmp_path / strategy / f"step-{steps // 2}"  # a folder of shards under FSDP2
+        output = kill_a_worker_and_finish(killed, middle if strategy == "fsdp2" else middle.with_suffix(".pt"))
+        states[strategy] = expected, resumed = [checkpoint_state(folder, steps, tmp_path)
+                                                for folder in (uninterrupted, tmp_path / strategy)]
+        for state in (expected, resumed):  # the one entry that must differ: where each run kept its checkpoints
+            state["options"].pop("ckpt_dir")
+        assert_same(resumed, expected)
+
+    import torch
+
+    ddp, _ = states["ddp"]
+    assert not torch.equal(*ddp["cpu_rng_states"]), "each rank draws its own noise"
+    if model == "adversarial":  # each network its own optimizer, each stepped once a step
+        assert {name: {float(state["step"]) for state in ddp["optimizer"][name]["state"].values()}
+                for name in ddp["optimizer"]} == {"critic": {steps}, "generator": {steps}}
+    else:  # the frozen teacher in no checkpoint and no optimizer; the student's every parameter in both
+        assert "0.01 M trained; frozen: teacher; not saved (the model builder makes them each run): teacher" in output
+        assert all(key.startswith("student.") for key in ddp["model"]), list(ddp["model"])
+        assert len(ddp["optimizer"]["state"]) == sum(key.endswith(("weight", "bias")) for key in ddp["model"])

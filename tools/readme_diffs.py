@@ -76,6 +76,13 @@ IMAGE_SUMMARY = '''    count = sums["samples"]
     return {"loss": sums["loss"] / count, "accuracy": sums["correct"] / count, "samples": int(count)}
 '''
 
+BUILD_OPTIMIZER = '''def build_optimizer(model: nn.Module, options: TrainOptions) -> torch.optim.Optimizer:
+    """The warmup + decay schedule scales whatever lr this starts with. Frozen parameters (requires_grad False:
+    a pretrained part you do not train) are left out."""
+    trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    return torch.optim.SGD(trained, lr=options.lr, momentum=0.9, weight_decay=5e-4)
+'''
+
 REGRESSION = {"PACKAGE/task.py": [
     (IMAGE_SMOKE_ARGS, '''    smoke_test_args=["--data", "fake_table", "--fake-samples", "512", "--batch-size", "16", "--model", "mlp",
                      "--num-workers", "0", "--device", "cpu", "--lr", "0.01"],
@@ -255,6 +262,137 @@ def area_under_roc(scores: torch.Tensor, positive: torch.Tensor) -> float:
 '''),
 ]}
 
+IMAGE_LOSS = '''def outputs_and_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    \"\"\"The model's outputs for a batch and their mean loss: the one path training and evaluation share.\"\"\"
+    inputs, targets = batch
+    outputs = model(inputs).float()
+    return outputs, F.cross_entropy(outputs, targets)
+
+
+def compute_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    \"\"\"The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one there.\"\"\"
+    return outputs_and_loss(model, batch)[1]
+'''
+IMAGE_EVALUATION_SUMS = '''    outputs, loss = outputs_and_loss(model, batch)
+    targets = batch[1]
+    return {"loss": loss * targets.numel(),
+            "correct": (outputs.argmax(dim=1) == targets).sum(),
+            "samples": torch.tensor(targets.numel())}
+'''
+
+ADVERSARIAL = {"PACKAGE/task.py": [
+    ("from .options import TrainOptions, option\n", "from .optim import TaskStep\nfrom .options import TrainOptions, option\n"),
+    (BEFORE_SMALL_CNN, '''NOISE = 32  # the generator's input
+
+
+class Adversarial(nn.Module):
+    \"\"\"A generator of images from noise and a critic that tells them from real ones, trained in turn (a GAN).\"\"\"
+
+    def __init__(self, image_size: int, width: int = 128):
+        super().__init__()
+        pixels = 3 * image_size * image_size
+        self.generator = nn.Sequential(nn.Linear(NOISE, width), nn.ReLU(), nn.Linear(width, pixels), nn.Sigmoid(),
+                                       nn.Unflatten(1, (3, image_size, image_size)))
+        self.critic = nn.Sequential(nn.Flatten(), nn.Linear(pixels, width), nn.LeakyReLU(0.2), nn.Linear(width, 1),
+                                    nn.Flatten(0))
+
+
+def adversarial(options: TrainOptions, train_set: Dataset) -> nn.Module:
+    return Adversarial(options.task.image_size)
+
+
+''' + BEFORE_SMALL_CNN),
+    (BUILD_OPTIMIZER, '''def build_optimizer(model: nn.Module, options: TrainOptions) -> dict[str, torch.optim.Optimizer]:
+    \"\"\"An Adam for each network; the warmup + decay schedule scales both.\"\"\"
+    return {name: torch.optim.Adam(getattr(model, name).parameters(), lr=options.lr, betas=(0.5, 0.999))
+            for name in ("critic", "generator")}
+'''),
+    (IMAGE_LOSS, '''def critic_loss(networks, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    \"\"\"The critic learns to score real images 1 and generated ones 0: one forward of each network (DDP's rule).\"\"\"
+    images = batch[0]
+    with torch.no_grad():
+        fakes = networks.generator(torch.randn(len(images), NOISE, device=images.device))
+    scores = networks.critic(torch.cat([images, fakes])).float()
+    real = torch.cat([torch.ones(len(images)), torch.zeros(len(images))]).to(scores)
+    return F.binary_cross_entropy_with_logits(scores, real)
+
+
+def generator_loss(networks, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    \"\"\"The generator learns to make images the critic scores real.\"\"\"
+    images = batch[0]
+    scores = networks.critic(networks.generator(torch.randn(len(images), NOISE, device=images.device))).float()
+    return F.binary_cross_entropy_with_logits(scores, torch.ones_like(scores))
+
+
+def training_step(step: TaskStep, batches: list) -> torch.Tensor:
+    \"\"\"The critic takes its step, then the generator, each on its own loss; the critic's is logged.\"\"\"
+    critic = step.backward(critic_loss, batches)
+    step.update("critic")
+    step.backward(generator_loss, batches)
+    step.update("generator")
+    return critic
+'''),
+    (IMAGE_EVALUATION_SUMS, '''    images = batch[0]  # against as many generated ones, from the same noise at every evaluation
+    noise = torch.randn(len(images), NOISE, generator=torch.Generator().manual_seed(0)).to(images.device)
+    scores = model.critic(torch.cat([images, model.generator(noise)])).float()
+    real = torch.cat([torch.ones(len(images)), torch.zeros(len(images))]).to(scores)
+    return {"loss": F.binary_cross_entropy_with_logits(scores, real, reduction="sum") / 2,
+            "correct": ((scores > 0) == (real > 0)).sum() / 2, "samples": torch.tensor(len(images))}
+'''),
+    ('    models={"small_cnn": small_cnn},\n', '    models={"small_cnn": small_cnn, "adversarial": adversarial},\n'),
+    ("    compute_loss=compute_loss,\n", "    training_step=training_step,  # two optimizers stepped in turn\n"
+     "    smoke_test_learning=None,  # the critic's loss need not fall\n"),
+    (IMAGE_SMOKE_ARGS, IMAGE_SMOKE_ARGS.replace('"small_cnn"', '"adversarial"').replace('"0.005"', '"0.001"')),
+]}
+
+TEACHER = {"PACKAGE/task.py": [
+    ('''    num_classes: int = option(10, "outputs of the model's head (cifar10 has 10 classes)", fixed=True)
+''', '''    num_classes: int = option(10, "outputs of the model's head (cifar10 has 10 classes)", fixed=True)
+    teacher: str = option("", "for --model distilled: the teacher's weights, a small_cnn's exported .pt (none: a "
+                          "random teacher, to try it out)")
+'''),
+    (BEFORE_SMALL_CNN, '''class Distilled(nn.Module):
+    \"\"\"A small student that learns from the labels and from a frozen teacher's outputs. The teacher is built again
+    each run from its weights file, so checkpoints leave it out (TASK's not_saved).\"\"\"
+
+    def __init__(self, student: nn.Module, teacher: nn.Module):
+        super().__init__()
+        self.student, self.teacher = student, teacher.requires_grad_(False)
+
+    def train(self, mode: bool = True) -> Distilled:
+        super().train(mode)
+        self.teacher.eval()  # always: its BatchNorm statistics or dropout would change what it teaches
+        return self
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            teacher = self.teacher(images)
+        return self.student(images), teacher
+
+
+def distilled(options: TrainOptions, train_set: Dataset) -> nn.Module:
+    teacher = small_cnn(options, train_set)
+    if options.task.teacher:
+        teacher.load_state_dict(torch.load(options.task.teacher, weights_only=True))
+    return Distilled(small_cnn(options, train_set, width=8), teacher)
+
+
+''' + BEFORE_SMALL_CNN),
+    ("    outputs = model(inputs).float()\n", "    outputs = model(inputs)[0].float()  # the student's\n"),
+    ('''    return outputs_and_loss(model, batch)[1]
+''', '''    images, labels = batch
+    student, teacher = (outputs.float() for outputs in model(images))
+    imitation = F.kl_div(F.log_softmax(student / 2, dim=1), F.log_softmax(teacher / 2, dim=1), log_target=True,
+                         reduction="batchmean") * 4  # at temperature 2
+    return 0.5 * F.cross_entropy(student, labels) + 0.5 * imitation
+'''),
+    ('    models={"small_cnn": small_cnn},\n', '    models={"small_cnn": small_cnn, "distilled": distilled},\n'),
+    ("    compute_loss=compute_loss,\n", "    compute_loss=compute_loss,\n"
+     "    not_saved=(\"teacher\",),  # frozen, and built again from --teacher each run\n"
+     "    smoke_test_learning=(30, 0.85),  # half the loss imitates the teacher, a random one in tests/: it falls less\n"),
+    (IMAGE_SMOKE_ARGS, IMAGE_SMOKE_ARGS.replace('"small_cnn"', '"distilled"')),
+]}
+
 EMA = {
     "PACKAGE/optim.py": [("END", EMA_CLASS)],
     "train.py": [
@@ -268,16 +406,13 @@ EMA = {
 '''),
         ('            with watchdog.slow_phase("evaluating"):\n',
          '            with watchdog.slow_phase("evaluating"), ema.swapped_into(model):\n'),
-        ("            optimizer.zero_grad(set_to_none=True)\n",
-         "            optimizer.zero_grad(set_to_none=True)\n            ema.update(model)\n"),
+        ("                optimizer.zero_grad(set_to_none=True)\n",
+         "                optimizer.zero_grad(set_to_none=True)\n                ema.update(model)\n"),
     ],
 }
 
 TWO_OPTIMIZERS = {"PACKAGE/task.py": [
-    ('''def build_optimizer(model: nn.Module, options: TrainOptions) -> torch.optim.Optimizer:
-    """The warmup + decay schedule scales whatever lr this starts with."""
-    return torch.optim.SGD(model.parameters(), lr=options.lr, momentum=0.9, weight_decay=5e-4)
-''', '''def build_optimizer(model: nn.Module, options: TrainOptions) -> dict[str, torch.optim.Optimizer]:
+    (BUILD_OPTIMIZER, '''def build_optimizer(model: nn.Module, options: TrainOptions) -> dict[str, torch.optim.Optimizer]:
     """The head (the last layer with parameters) learns with AdamW, the backbone with SGD. The warmup + decay
     schedule scales both."""
     head = [module for module in model.children() if any(True for _ in module.parameters())][-1]
@@ -295,15 +430,15 @@ LOSS_WEIGHT = {
          "    loss_weight: float = 1.0  # annealed in train.py\n"),
     ],
     "train.py": [
-        ("                    loss = task.compute_loss(training_model, batch)  # the task runs the model on its batch\n",
-         "                    loss = progress.loss_weight * task.compute_loss(training_model, batch)\n"),
+        ("                        loss = task.compute_loss(training_model, batch)  # the task runs the model on its batch\n",
+         "                        loss = progress.loss_weight * task.compute_loss(training_model, batch)\n"),
         ("            progress.advance(samples_per_step)\n",
          "            progress.advance(samples_per_step)\n"
          "            progress.loss_weight = max(0.5, 0.98 * progress.loss_weight)  # halves over the first 35 steps\n"),
     ],
 }
 
-RECIPES = [REGRESSION, TAGGER, AUC, EMA, TWO_OPTIMIZERS, LOSS_WEIGHT]  # the README's ```diff blocks, in order
+RECIPES = [REGRESSION, TAGGER, AUC, ADVERSARIAL, TEACHER, EMA, TWO_OPTIMIZERS, LOSS_WEIGHT]  # the README's ```diff blocks, in order
 
 
 def diff_of(project: Path, recipe: dict[str, list[tuple[str, str]]]) -> str:

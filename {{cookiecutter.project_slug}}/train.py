@@ -49,6 +49,7 @@ from {{ cookiecutter.package_name }}.metrics import build_meter
 from {{ cookiecutter.package_name }}.optim import (
     LearningRateSchedule,
     MixedPrecision,
+    TaskStep,
     as_one_optimizer,
     planned_steps,
     resolve_precision,
@@ -59,9 +60,10 @@ from {{ cookiecutter.package_name }}.parallel import (
     gradient_sync,
     uses_channels_last,
     wrap_model,
+    wrap_networks,
 )
 from {{ cookiecutter.package_name }}.profiling import StepProfiler, record_memory_history
-from {{ cookiecutter.package_name }}.reproducibility import seed_and_choose_kernels
+from {{ cookiecutter.package_name }}.reproducibility import seed_and_choose_kernels, seed_per_rank
 from {{ cookiecutter.package_name }}.selection import ModelSelection
 from {{ cookiecutter.package_name }}.spec import Task
 from {{ cookiecutter.package_name }}.task import TASK
@@ -80,14 +82,20 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     train_set, eval_set = task.build_datasets(options, env, device)
     train_loader, eval_loader = build_loaders(train_set, eval_set, options, env, device, task.collate)
     model = task.build_model(options, train_set).to(device)
+    seed_per_rank(options, env)  # the model is the same everywhere; from here on each rank draws its own numbers
     channels_last = uses_channels_last(model, device, options.channels_last)
     model = model.to(memory_format=torch.channels_last) if channels_last else model
     amp = MixedPrecision(resolve_precision(options.precision, device), device)
     # Forward and backward through training_model (DDP or FSDP2, maybe compiled); save and evaluate `model`.
-    training_model = wrap_model(model, device, options.strategy, options.compile, param_dtype=amp.param_dtype,
-                                activation_checkpointing=options.activation_checkpointing)
+    # A task with its own training_step gets the model's networks wrapped one by one instead.
+    wrap = wrap_networks if task.training_step else wrap_model
+    training_model = wrap(model, device, options.strategy, options.compile, param_dtype=amp.param_dtype,
+                          activation_checkpointing=options.activation_checkpointing)
     # After wrapping: FSDP2 swaps in sharded parameters. Several named optimizers are stepped as one.
-    optimizer = as_one_optimizer(task.build_optimizer(model, options))
+    optimizers = task.build_optimizer(model, options)
+    optimizer = as_one_optimizer(optimizers)
+    task_step = TaskStep(training_model, optimizers, amp, options.clip_grad) if task.training_step else None
+    step_batches = []  # the micro-batches of the step a task's training_step takes
     samples_per_step = options.batch_size * options.grad_accum * env.world_size  # all ranks together
     # Over samples seen, not steps: a job resumed on another number of ranks continues the same curve.
     lr_schedule = LearningRateSchedule(optimizer, options, train_loader.samples_per_epoch, samples_per_step)
@@ -130,19 +138,27 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
         for micro_step, batch in enumerate(meter.timed(train_loader), start=1):
             batch = to_device(batch, device, channels_last)  # whatever task.collate made: tuple, dict, ...
             last_micro_batch = micro_step % options.grad_accum == 0  # of this optimizer step
-            with gradient_sync(training_model, enabled=last_micro_batch):  # all-reduce only on the last micro-step
-                with amp.autocast():
-                    loss = task.compute_loss(training_model, batch)  # the task runs the model on its batch
-                amp.backward(loss / options.grad_accum)  # the mean over the step's micro-batches
-            meter.update(loss, task.units_in_batch(batch))
-            if not last_micro_batch:
-                continue
-            amp.scaler.unscale_(optimizer)  # true gradients for the norm and clipping (a no-op unless fp16)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), options.clip_grad or math.inf)
             lr = lr_schedule.set_lr(progress.samples_seen + samples_per_step)  # this step's: where it ends
-            amp.scaler.step(optimizer)  # fp16: skips a step whose gradients overflowed
-            amp.scaler.update()
-            optimizer.zero_grad(set_to_none=True)
+            if task_step is not None:  # the task steps its optimizers itself: optim.py's TaskStep
+                step_batches.append(batch)
+                if not last_micro_batch:
+                    continue
+                loss, grad_norm = task_step.run(task.training_step, step_batches, number=progress.step + 1)
+                meter.update(loss, sum(task.units_in_batch(batch) for batch in step_batches))
+                step_batches = []
+            else:
+                with gradient_sync(training_model, enabled=last_micro_batch):  # all-reduce on the last micro-step
+                    with amp.autocast():
+                        loss = task.compute_loss(training_model, batch)  # the task runs the model on its batch
+                    amp.backward(loss / options.grad_accum)  # the mean over the step's micro-batches
+                meter.update(loss, task.units_in_batch(batch))
+                if not last_micro_batch:
+                    continue
+                amp.scaler.unscale_(optimizer)  # true gradients for the norm and clipping (a no-op unless fp16)
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), options.clip_grad or math.inf)
+                amp.scaler.step(optimizer)  # fp16: skips a step whose gradients overflowed
+                amp.scaler.update()
+                optimizer.zero_grad(set_to_none=True)
             progress.advance(samples_per_step)
             meter.end_step(progress, lr, grad_norm)
             profiler.before_step(progress.step + 1)  # before the beat: a profiled step is a slow one

@@ -1,7 +1,7 @@
 """What the tests share besides fixtures (conftest.py), by concern; `from helpers import X` for any of them."""
 
 from .baking import bake_command, bake_with_cli, build_wheel, import_hook
-from .checkpoints import assert_bitwise_equal, checkpoint, metric_rows
+from .checkpoints import assert_bitwise_equal, assert_same, checkpoint, checkpoint_state, metric_rows
 from .environment import BIN, REQUIRE_ALL, TEMPLATE_ROOT, free_port, require, run, tool_env
 from .faults import kill_a_worker_and_finish, paused, stopped, worker_pids
 from .jobs import (
@@ -23,6 +23,7 @@ from .projects import (
     make_image_folder,
     readme_block,
     smoke_test_args,
+    task_field,
     with_task_code,
 )
 
@@ -56,10 +57,13 @@ __all__ = [
     "make_image_folder",
     "assert_project_tests_pass",
     "smoke_test_args",
+    "task_field",
     "readme_block",
     "with_task_code",
     "main_in_this_process",
     "checkpoint",
     "metric_rows",
     "assert_bitwise_equal",
+    "assert_same",
+    "checkpoint_state",
 ]

@@ -30,3 +30,35 @@ def assert_bitwise_equal(actual: dict, expected: dict) -> None:
     for index, buffers in expected["optimizer"]["state"].items():
         for name, tensor in buffers.items():
             assert torch.equal(actual["optimizer"]["state"][index][name], tensor), f"optimizer {index}.{name} differs"
+
+
+def checkpoint_state(ckpt_dir: Path, step: int, scratch: Path) -> dict:
+    """Everything step N holds: step-N.pt, or the DCP folder step-N made one file in `scratch`."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = ckpt_dir / f"step-{step}"
+    if path.is_dir():  # FSDP2: DCP shards, reassembled by torch's own converter
+        whole = scratch / f"{ckpt_dir.name}-{step}.pt"
+        dcp_to_torch_save(path, whole)
+        return torch.load(whole, weights_only=True)
+    return torch.load(path.with_suffix(".pt"), weights_only=True)
+
+
+def assert_same(actual, expected, path: str = "") -> None:
+    """Bitwise equality of nested dicts, lists, tensors and numbers."""
+    import torch
+
+    assert type(actual) is type(expected), f"{path}: {type(actual).__name__} != {type(expected).__name__}"
+    if isinstance(expected, dict):
+        assert actual.keys() == expected.keys(), f"{path}: {sorted(actual)} != {sorted(expected)}"
+        for key in expected:
+            assert_same(actual[key], expected[key], f"{path}.{key}")
+    elif isinstance(expected, list | tuple):
+        assert len(actual) == len(expected), path
+        for index, (left, right) in enumerate(zip(actual, expected, strict=True)):
+            assert_same(left, right, f"{path}[{index}]")
+    elif isinstance(expected, torch.Tensor):
+        assert torch.equal(actual, expected), f"{path} differs"
+    else:
+        assert actual == expected, f"{path}: {actual!r} != {expected!r}"

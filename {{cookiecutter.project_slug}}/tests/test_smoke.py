@@ -1,60 +1,72 @@
-"""Smoke test: 2 CPU ranks train, loss falls, a checkpoint is written, a second launch resumes from it."""
+"""Smoke tests that hold for any task in task.py: 2 CPU ranks train its tiny run (TASK.smoke_test_args) with a
+finite loss, one model on every rank and parameters that move (and, as TASK.smoke_test_learning says, a loss
+that falls); a run resumed from the middle checkpoint ends bit for bit where the uninterrupted run ended, every
+optimizer's state and every rank's random generator included."""
 
 import math
 import re
+import shutil
 
 import pytest
-import torch
-from harness import TINY_RUN, launch
-
-from {{ cookiecutter.package_name }}.export import load_model_weights
+from harness import TASK, TINY_RUN, differences, launch, saved_checkpoint, saved_state
 
 LOSS_LINE = re.compile(r"step (\d+) \| epoch \d+ \| loss ([-+.\w]+)")
+STEPS = TASK.smoke_test_learning[0] if TASK.smoke_test_learning else 20
+HALF = STEPS // 2
 
 
-def logged_losses(output: str) -> dict[int, float]:
-    return {int(step): float(loss) for step, loss in LOSS_LINE.findall(output)}
+def tiny_run(ckpt_dir) -> list[str]:
+    return [*TINY_RUN, "--ckpt-dir", str(ckpt_dir), "--max-steps", str(STEPS), "--ckpt-every", str(HALF),
+            "--log-every", "1"]
+
+
+def logged_losses(output: str) -> dict[int, str]:
+    return {int(step): loss for step, loss in LOSS_LINE.findall(output)}
+
+
+def optimizer_states(state) -> list[dict]:
+    """Every optimizer state_dict in a saved state, named or not ({"state": ..., "param_groups": ...})."""
+    if isinstance(state, dict) and "state" in state and "param_groups" in state:
+        return [state["state"]]
+    return [found for value in state.values() for found in optimizer_states(value)] if isinstance(state, dict) else []
 
 
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory):
     ckpt_dir = tmp_path_factory.mktemp("checkpoints")
-    result = launch([*TINY_RUN, "--ckpt-dir", str(ckpt_dir), "--max-steps", "30", "--ckpt-every", "15",
-                     "--log-every", "5"])
-    return result, ckpt_dir
+    result = launch(tiny_run(ckpt_dir))
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout + result.stderr, ckpt_dir
 
 
-def test_two_ranks_train_and_loss_falls(first_run):
-    result, _ = first_run
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
+def test_two_ranks_train_one_model(first_run):
+    output, ckpt_dir = first_run
     assert "world_size=2" in output and "backend=gloo" in output
+    losses = {step: float(loss) for step, loss in logged_losses(output).items()}
+    assert sorted(losses) == list(range(1, STEPS + 1)), output
+    assert all(math.isfinite(loss) for loss in losses.values()), losses
+    if TASK.smoke_test_learning:  # the loss falls as far as task.py says it should
+        first, last = (sum(losses[step] for step in steps) / 5 for steps in (range(1, 6), range(STEPS - 4, STEPS + 1)))
+        assert last < TASK.smoke_test_learning[1] * first, losses
+    middle, end = (saved_state(saved_checkpoint(ckpt_dir, step)) for step in (HALF, STEPS))
+    if not saved_checkpoint(ckpt_dir, STEPS).is_dir():  # DDP: replicas compared bit for bit (FSDP2 shards differ)
+        assert "every rank holds the same parameters" in output, output
+    assert not any(key.startswith(("module.", "_orig_mod.")) for key in end["model"]), list(end["model"])
+    assert differences(end["model"], middle["model"]), "training changed no parameter"
+    optimizers = optimizer_states(end["optimizer"])
+    assert optimizers and all(optimizers), "every optimizer's state (momentum, moments) is saved"
+
+
+def test_a_resumed_run_ends_where_the_uninterrupted_one_did(first_run, tmp_path):
+    output, ckpt_dir = first_run
+    middle = saved_checkpoint(ckpt_dir, HALF)
+    (shutil.copytree if middle.is_dir() else shutil.copy)(middle, tmp_path / middle.name)
+    result = launch(tiny_run(tmp_path))
+    resumed = result.stdout + result.stderr
+    assert result.returncode == 0, resumed
+    assert f"resuming from {tmp_path / f'step-{HALF}'}" in resumed, resumed  # step-N.pt, or step-N/ with fsdp2
     losses = logged_losses(output)
-    assert sorted(losses) == [5, 10, 15, 20, 25, 30], output
-    assert all(math.isfinite(loss) for loss in losses.values())
-    assert losses[30] < 0.7 * losses[5], losses
-
-
-def test_checkpoint_holds_plain_state(first_run):
-    _, ckpt_dir = first_run
-    if (ckpt_dir / "step-30").is_dir():  # --strategy fsdp2: folders of shards; export makes them one file
-        assert sorted(p.name for p in ckpt_dir.glob("step-*")) == ["step-15", "step-30"]
-        weights = load_model_weights(ckpt_dir / "step-30")
-        assert weights and not any(key.startswith("module.") for key in weights)
-        return
-    assert sorted(p.name for p in ckpt_dir.glob("step-*.pt")) == ["step-15.pt", "step-30.pt"]
-    state = torch.load(ckpt_dir / "step-30.pt", weights_only=True)
-    assert state["step"] == 30
-    assert state["optimizer"]["state"], "optimizer state (momentum) must be saved"
-    assert not any(key.startswith("module.") for key in state["model"])
-
-
-def test_second_launch_resumes(first_run):
-    _, ckpt_dir = first_run
-    result = launch([*TINY_RUN, "--ckpt-dir", str(ckpt_dir), "--max-steps", "40", "--ckpt-every", "15",
-                     "--log-every", "5"])
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
-    assert f"resuming from {ckpt_dir / 'step-30'}" in output  # step-30.pt, or step-30/ with --strategy fsdp2
-    assert sorted(logged_losses(output)) == [35, 40], output  # continued, not started over
-    assert (ckpt_dir / "step-40.pt").is_file() or (ckpt_dir / "step-40").is_dir()
+    assert logged_losses(resumed) == {step: losses[step] for step in range(HALF + 1, STEPS + 1)}, resumed
+    state, expected = (saved_state(saved_checkpoint(folder, STEPS)) for folder in (tmp_path, ckpt_dir))
+    state.pop("options", None), expected.pop("options", None)  # the flags, --ckpt-dir among them
+    assert not differences(state, expected), differences(state, expected)

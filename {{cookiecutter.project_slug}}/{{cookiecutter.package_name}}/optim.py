@@ -1,16 +1,21 @@
 """Around the optimizer step: several optimizers stepped as one, mixed precision (autocast, and the gradient
 scaler fp16 needs), the learning-rate schedule (over samples seen: linear warmup, then cosine decay or
-constant). The optimizers themselves are built in task.py; the step is written out in train.py."""
+constant), and TaskStep, for a task that steps its optimizers itself. The optimizers themselves are built in
+task.py; the step is written out in train.py."""
 
 from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 
 from .errors import UsageError
 from .options import TrainOptions
+from .parallel import gradient_sync
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -73,6 +78,74 @@ def as_one_optimizer(built: torch.optim.Optimizer | dict[str, torch.optim.Optimi
 def member_optimizers(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
     """The plain optimizers behind `optimizer`: its members if it is Optimizers, else itself."""
     return list(optimizer.optimizers.values()) if isinstance(optimizer, Optimizers) else [optimizer]
+
+
+class TaskStep:
+    """What a task's training_step(step, batches) is given: its networks and optimizers by name, and the two calls
+    that do what train.py's own step does.
+
+        def training_step(step, batches):
+            critic_loss = step.backward(critic_loss_of, batches)  # critic_loss_of(step.networks, batch)
+            step.update("critic")  # only the critic's parameters move
+            return step.backward(generator_loss_of, batches) and step.update("generator")
+
+    backward(loss_of, batches): for each micro-batch, loss_of(networks, batch) under autocast, its backward
+    scaled for fp16 and divided by the number of micro-batches; gradients are all-reduced on the last one
+    only. Returns the mean loss (detached). A network's forward runs once per backward (DDP's rule): to score
+    real and generated samples, concatenate them.
+    update(*names): those optimizers take their step: gradients unscaled (fp16), clipped (--clip-grad, over
+    their parameters), stepped, zeroed. Any pattern: the critic every step, the generator every fifth
+    (step.number % 5 == 0). Gradients a backward left on a network whose optimizer did not step (the critic's,
+    from the generator's loss) are zeroed when the step ends."""
+
+    def __init__(self, networks: SimpleNamespace, built: torch.optim.Optimizer | dict[str, torch.optim.Optimizer],
+                 amp: MixedPrecision, clip_grad: float | None):
+        self.networks = networks
+        self.optimizers = built if isinstance(built, dict) else {"optimizer": built}  # task.build_optimizer's
+        self.amp = amp
+        self.clip_grad = clip_grad or math.inf
+        self.number = 0  # the optimizer step being taken: 1 for the first
+        self.grad_norms: list[torch.Tensor] = []
+
+    def backward(self, loss_of: Callable[[SimpleNamespace, Any], torch.Tensor], batches: list) -> torch.Tensor:
+        total = 0.0
+        for index, batch in enumerate(batches, start=1):
+            with contextlib.ExitStack() as sync:
+                for network in vars(self.networks).values():  # all-reduce only on the last micro-batch
+                    sync.enter_context(gradient_sync(network, enabled=index == len(batches)))
+                with self.amp.autocast():
+                    loss = loss_of(self.networks, batch)
+                self.amp.backward(loss / len(batches))
+            total = total + loss.detach()
+        return total / len(batches)
+
+    def update(self, *names: str) -> None:
+        unknown = [name for name in names if name not in self.optimizers]
+        if unknown or not names:
+            raise UsageError(f"training_step: step.update({', '.join(map(repr, names))}): name optimizers that "
+                             f"task.build_optimizer returned: {', '.join(self.optimizers)}")
+        for name in names:
+            optimizer = self.optimizers[name]
+            self.amp.scaler.unscale_(optimizer)
+            parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+            self.grad_norms.append(torch.nn.utils.clip_grad_norm_(parameters, self.clip_grad))
+            self.amp.scaler.step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+
+    def run(self, training_step: Callable[[TaskStep, list], torch.Tensor], batches: list, number: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step by the task: (the loss it returned, the norm of all gradients it clipped)."""
+        self.number, self.grad_norms = number, []
+        loss = training_step(self, batches)
+        if not isinstance(loss, torch.Tensor):
+            raise UsageError(f"task.training_step returned {type(loss).__name__}; return the loss to log, a tensor")
+        self.amp.scaler.update()
+        for optimizer in self.optimizers.values():
+            optimizer.zero_grad(set_to_none=True)
+        # FSDP2's norms are DTensors: their whole value, for one norm over every optimizer.
+        norms = [getattr(norm, "full_tensor", lambda norm=norm: norm)().float() for norm in self.grad_norms]
+        norms = torch.stack(norms) if norms else torch.zeros(1)
+        return loss.detach(), torch.linalg.vector_norm(norms)
 
 
 def resolve_precision(requested: str, device: torch.device) -> str:

@@ -9,6 +9,7 @@ import functools
 import logging
 import socket
 import sys
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,24 @@ def wrap_model(model: torch.nn.Module, device: torch.device, strategy: str = "dd
         # overlapped with the backward pass.
         model = torch.compile(model)
     return model
+
+
+def wrap_networks(model: nn.Module, device: torch.device, strategy: str = "ddp", compile_model: bool = False,
+                  param_dtype: torch.dtype | None = None, activation_checkpointing: str = "none") -> SimpleNamespace:
+    """For a task with its own training_step: each top-level module of `model` that has trained parameters
+    wrapped on its own (as wrap_model wraps a whole model), the others as they are, by name
+    (networks.generator). Networks stepped in turn each run their own forward and backward, and DDP all-reduces
+    a network's gradients only when its own forward ran before the backward (wrapping the whole model, the
+    network left out of a forward would stop the next step: DDP's unused-parameters error). The model itself
+    still holds the unwrapped networks: checkpoints and evaluation see it unchanged."""
+    own = [name for name, parameter in model.named_parameters(recurse=False) if parameter.requires_grad]
+    if own:
+        raise UsageError(f"Task(training_step=...) trains the model's top-level modules, each wrapped on its own, "
+                         f"but parameter {own[0]!r} belongs to the model itself; put it in one of its modules")
+    return SimpleNamespace(**{
+        name: wrap_model(network, device, strategy, compile_model, param_dtype, activation_checkpointing)
+        if any(parameter.requires_grad for parameter in network.parameters()) else network
+        for name, network in model.named_children()})
 
 
 def checkpoint_activations(model: nn.Module, which: str) -> None:
@@ -197,7 +216,7 @@ def check_replicas_match(model: nn.Module, step: int) -> int:
     smallest value. `model` is the unwrapped model. FSDP2 shards differ by design: nothing to compare.
     Only when they differ are the ranks' fingerprints and hosts gathered, to say which ranks hold which model:
     one rank against all the others (three or more ranks) is ReplicaCorrupted, any other split a bug (UsageError)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1 or is_sharded(model):
+    if not dist.is_initialized() or dist.get_world_size() == 1 or any(map(is_sharded, model.modules())):
         return 0
     names, parameters = zip(*model.named_parameters(), strict=True)
     sums = torch.stack([bit_sum(parameter) for parameter in parameters])

@@ -14,13 +14,14 @@ from .options import TrainOptions
 
 def seed_and_choose_kernels(options: TrainOptions, env: DistEnv, device: torch.device) -> None:
     """The CPU generator gets --seed on every rank: model initialisation must be identical everywhere (FSDP2
-    shards each rank's own copy). Each rank's CUDA generator gets a seed of its own, so GPU dropout draws
-    different masks on different ranks, as it would on different samples of one large batch."""
+    shards each rank's own copy); seed_per_rank follows once the model is built. Each rank's CUDA generator gets
+    a seed of its own, so GPU dropout draws different masks on different ranks, as it would on different
+    samples of one large batch."""
     torch.manual_seed(options.seed)
     if device.type != "cuda":
         return
     with torch.cuda.device(device):
-        torch.cuda.manual_seed(cuda_seed(options.seed, env.rank))
+        torch.cuda.manual_seed(rank_seed(options.seed, env.rank))
     if options.deterministic:
         # Bitwise-repeatable GPU kernels, for comparing runs (e.g. a resumed one against an uninterrupted one).
         # warn_only: ops with no deterministic variant (adaptive pooling's backward) warn instead of failing.
@@ -31,8 +32,15 @@ def seed_and_choose_kernels(options: TrainOptions, env: DistEnv, device: torch.d
         torch.backends.cudnn.benchmark = True
 
 
-def cuda_seed(seed: int, rank: int) -> int:
-    """A rank's CUDA seed: from --seed and the rank alone, so a rank that resumes without a saved state (the job
+def seed_per_rank(options: TrainOptions, env: DistEnv) -> None:
+    """Once the model is built: the CPU generator, too, gets a seed of its own per rank, so what a loss or a forward
+    draws on the CPU (torch.randn noise, dropout) differs between ranks, as on the GPU; with one seed everywhere
+    every rank would draw the same noise for its different samples."""
+    torch.default_generator.manual_seed(rank_seed(options.seed, env.rank))
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """A rank's seed: from --seed and the rank alone, so a rank that resumes without a saved state (the job
     grew) starts from a reproducible one."""
     return (seed * 1_000_003 + rank) % 2**63
 
@@ -64,12 +72,12 @@ def as_generator_state(saved: torch.Tensor | list[int]) -> torch.Tensor:
 
 def restore_rng_states(state: dict, env: DistEnv, device: torch.device) -> None:
     """Continue this rank's generators where the checkpoint left them. A rank the saving job did not have (the
-    job grew) takes the CPU state of the rank that wrote the file (torch_rng_state) and keeps its fresh CUDA
-    seed; so does a checkpoint saved before per-rank CPU states were."""
+    job grew) keeps its fresh seeds (seed_per_rank's); a checkpoint saved before per-rank CPU states were gives
+    every rank the CPU state of the rank that wrote it (torch_rng_state)."""
     cpu_states, cuda_states = state.get("cpu_rng_states", []), state.get("cuda_rng_states", [])
     if env.rank < len(cpu_states):
         torch.set_rng_state(as_generator_state(cpu_states[env.rank]))
-    else:
+    elif not len(cpu_states):
         torch.set_rng_state(state["torch_rng_state"])
     if device.type == "cuda" and env.rank < len(cuda_states) and len(cuda_states[env.rank]):
         torch.cuda.set_rng_state(as_generator_state(cuda_states[env.rank]), device)

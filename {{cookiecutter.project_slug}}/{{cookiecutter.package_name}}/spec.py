@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,8 @@ from .data import tensors_in
 from .distributed import DistEnv
 from .errors import UsageError
 from .options import TrainOptions
+
+log = logging.getLogger(__name__)
 
 DatasetBuilder = Callable[[TrainOptions], tuple[Dataset, Dataset]]  # options -> (train, held-out)
 ModelBuilder = Callable[[TrainOptions, Dataset], nn.Module]  # options, the training set -> a model
@@ -40,7 +43,8 @@ class Task:
     datasets: dict[str, DatasetBuilder]  # --data name -> builder of (train, held-out) datasets
     models: dict[str, ModelBuilder]  # --model name -> builder
     build_optimizer: Callable[[nn.Module, TrainOptions], torch.optim.Optimizer | dict[str, torch.optim.Optimizer]]
-    compute_loss: Callable[[nn.Module, Any], torch.Tensor]  # (model, batch) -> the mean loss, minimised
+    # (model, batch) -> the mean loss, minimised; None with a training_step (below).
+    compute_loss: Callable[[nn.Module, Any], torch.Tensor] | None = None
     evaluation_sums: Callable[[nn.Module, Any], dict[str, Any]]  # (model, batch) -> sums over the batch
     summarize: Callable[[dict[str, Any], dict[str, torch.Tensor]], dict[str, float]]  # sums -> logged metrics
     smoke_test_args: list[str]  # the tiny run tests/ trains: keep it quick and learnable
@@ -61,8 +65,23 @@ class Task:
     # (torchvision's, about as long as torch's) costs nothing to a run that does not use it.
     more_models: Callable[[], dict[str, ModelBuilder]] | None = None
     training_defaults: dict[str, Any] = field(default_factory=dict)  # training options' defaults, e.g. {"lr": 3e-4}
+    # A task that steps its optimizers itself (two networks stepped in turn, each on its own loss):
+    # training_step(step, batches) takes the place of compute_loss and of train.py's backward and optimizer step,
+    # once per optimizer step with its --grad-accum micro-batches; `step` (optim.py's TaskStep) gives the networks
+    # and optimizers and keeps what train.py's own step does (accumulation, mixed precision, clipping). It
+    # returns the loss to log. The model's top-level modules are then wrapped (DDP, FSDP2) one by one.
+    training_step: Callable[[Any, list], torch.Tensor] | None = None
+    # Modules of the model (by name, e.g. "teacher") that checkpoints and exports leave out: frozen ones that the
+    # model builder makes again each run, from their own weights file.
+    not_saved: tuple[str, ...] = ()
+    # What tests/ ask of the tiny run: (steps, ratio): after this many steps the mean loss of the last five is
+    # below ratio x that of the first five. None: the loss need not fall (an adversarial pair's need not).
+    smoke_test_learning: tuple[int, float] | None = (30, 0.7)
 
     def __post_init__(self) -> None:
+        if (self.compute_loss is None) == (self.training_step is None):
+            raise TypeError("Task(...) takes compute_loss (train.py steps every optimizer) or training_step (the "
+                            "task steps them itself): one of the two")
         if not dataclasses.is_dataclass(self.options):
             raise TypeError(f"Task(options=...) must be a dataclass of the task's flags, got {self.options!r}")
         if self.prepare_data and "data_dir" not in {f.name for f in dataclasses.fields(self.options)}:
@@ -89,7 +108,10 @@ class Task:
         return self.datasets[options.task.data](options)
 
     def build_model(self, options: TrainOptions, train_set: Dataset | None) -> nn.Module:
-        return self.model_builder(options.task.model)(options, train_set)
+        model = self.model_builder(options.task.model)(options, train_set)
+        leave_out_of_checkpoints(model, self.not_saved)
+        log.info("%s", describe_parameters(model, self.not_saved))
+        return model
 
     def model_builder(self, name: str) -> ModelBuilder | None:
         if name not in self.models and self.more_models is not None:
@@ -104,3 +126,50 @@ class Task:
         table = "datasets" if kind == "data" else "models"
         return (f"--{kind} {name!r} is not in the task's {table}; {hint} To add it, write a builder and add "
                 f"{name!r}: <builder> to TASK's {table} in {self.options.__module__.replace('.', '/')}.py")
+
+
+def leave_out_of_checkpoints(model: nn.Module, names: tuple[str, ...]) -> None:
+    """Task(not_saved=...): the named modules' parameters and buffers are left out of the model's state_dict
+    (checkpoints, exports) and not expected by its load_state_dict. Only frozen modules: a trained one would be
+    rebuilt untrained on every resume."""
+    modules = dict(model.named_modules())
+    for name in names:
+        if name not in modules or not name:
+            top = ", ".join(child for child, _ in model.named_children())
+            raise UsageError(f"Task(not_saved=...) names {name!r}, which the model has no module of; its "
+                             f"top-level modules: {top}")
+        trained = [parameter for parameter, value in modules[name].named_parameters() if value.requires_grad]
+        if trained:
+            raise UsageError(f"Task(not_saved=...) names {name!r}, whose parameter {trained[0]!r} is trained "
+                             f"(requires_grad): resumed, it would start over; freeze it ({name}.requires_grad_(False) "
+                             "in the model builder) or save it")
+    if not names:
+        return
+    prefixes = tuple(f"{name}." for name in names)
+
+    def drop(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
+        for key in [key for key in state if key.removeprefix(prefix).startswith(prefixes)]:
+            del state[key]
+
+    def forgive(module: nn.Module, incompatible: Any) -> None:
+        incompatible.missing_keys[:] = [key for key in incompatible.missing_keys if not key.startswith(prefixes)]
+
+    # (register_state_dict_post_hook is the public name of the first since torch 2.5.)
+    getattr(model, "register_state_dict_post_hook", model._register_state_dict_hook)(drop)
+    model.register_load_state_dict_post_hook(forgive)
+
+
+def describe_parameters(model: nn.Module, not_saved: tuple[str, ...]) -> str:
+    """The start-up line on what is trained, what is frozen and what checkpoints leave out."""
+    def millions(parameters) -> str:
+        return f"{sum(parameter.numel() for parameter in parameters) / 1e6:.2f} M"
+    parameters = list(model.parameters())
+    frozen = [name for name, module in model.named_modules() if name and any(True for _ in module.parameters())
+              and not any(parameter.requires_grad for parameter in module.parameters())]
+    frozen = [name for name in frozen if not any(name.startswith(f"{outer}.") for outer in frozen)]  # outermost
+    line = f"model: {millions(parameters)} parameters, {millions(p for p in parameters if p.requires_grad)} trained"
+    if frozen:
+        line += f"; frozen: {', '.join(frozen[:8])}{', ...' if len(frozen) > 8 else ''}"
+    if not_saved:
+        line += f"; not saved (the model builder makes them each run): {', '.join(not_saved)}"
+    return line

@@ -9,7 +9,14 @@ default_collate: here a tuple (images, labels)); train.py calls
 
     loss = compute_loss(model, batch)
 
-and evaluation adds up evaluation_sums(model, batch) over the held-out split, then calls summarize.
+and evaluation adds up evaluation_sums(model, batch) over the held-out split, then calls summarize. (A task
+that steps its optimizers itself, two networks trained in turn, gives TASK a training_step instead of
+compute_loss: see optim.py's TaskStep.)
+
+Random numbers: torch's generators start from --seed, the same on every rank while the model is built (every
+replica starts equal); then each rank's CPU and CUDA generators get a seed of their own, so torch.randn in a
+loss, or dropout, draws differently on each rank, as for different samples of one batch. Checkpoints hold each
+rank's generators: a resumed run draws the same numbers it would have.
 """
 
 from __future__ import annotations
@@ -71,7 +78,14 @@ default_collate: here a tuple (tokens, next tokens)); train.py calls
 
     loss = compute_loss(model, batch)
 
-and evaluation adds up evaluation_sums(model, batch) over the held-out split, then calls summarize.
+and evaluation adds up evaluation_sums(model, batch) over the held-out split, then calls summarize. (A task
+that steps its optimizers itself, two networks trained in turn, gives TASK a training_step instead of
+compute_loss: see optim.py's TaskStep.)
+
+Random numbers: torch's generators start from --seed, the same on every rank while the model is built (every
+replica starts equal); then each rank's CPU and CUDA generators get a seed of their own, so torch.randn in a
+loss, or dropout, draws differently on each rank, as for different samples of one batch. Checkpoints hold each
+rank's generators: a resumed run draws the same numbers it would have.
 
 Here: a decoder-only transformer (GPT) learns to predict the next token. Text is read as bytes (a vocabulary
 of 256, nothing to download); for large corpora, tokenize once into nanoGPT's format, uint16 token ids in
@@ -263,8 +277,10 @@ def torchvision_models() -> dict:
 
 
 def build_optimizer(model: nn.Module, options: TrainOptions) -> torch.optim.Optimizer:
-    """The warmup + decay schedule scales whatever lr this starts with."""
-    return torch.optim.SGD(model.parameters(), lr=options.lr, momentum=0.9, weight_decay=5e-4)
+    """The warmup + decay schedule scales whatever lr this starts with. Frozen parameters (requires_grad False:
+    a pretrained part you do not train) are left out."""
+    trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    return torch.optim.SGD(trained, lr=options.lr, momentum=0.9, weight_decay=5e-4)
 
 
 # ---- loss and evaluation -----------------------------------------------------------------------------------
@@ -562,9 +578,10 @@ def gpt(options: TrainOptions, train_set: Dataset) -> nn.Module:
 
 def build_optimizer(model: nn.Module, options: TrainOptions) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (not norms or biases), as nanoGPT. The warmup + decay
-    schedule scales whatever lr this starts with."""
-    matrices = [p for p in model.parameters() if p.dim() >= 2]
-    others = [p for p in model.parameters() if p.dim() < 2]
+    schedule scales whatever lr this starts with. Frozen parameters (requires_grad False) are left out."""
+    trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    matrices = [p for p in trained if p.dim() >= 2]
+    others = [p for p in trained if p.dim() < 2]
     return torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1}, {"params": others, "weight_decay": 0.0}],
                              lr=options.lr, betas=(0.9, 0.95))
 
