@@ -47,10 +47,10 @@ def rank_seed(seed: int, rank: int) -> int:
 
 def gather_rng_states(env: DistEnv, device: torch.device) -> dict[str, torch.Tensor]:
     """Every rank's CPU and CUDA generator states, a row per rank: {"cpu_rng_states": uint8 [ranks, 5056],
-    "cuda_rng_states": uint8 [ranks, 16]} (no columns without CUDA). Ranks draw differently once their batches
-    differ (per-sample shapes, CPU dropout on different lengths), so each rank's own state is saved, not the
-    writer's. A collective: one all-gather of 5 KB a rank. One byte tensor, not lists of ints, which at 4,096
-    ranks made a save pickle 20 million numbers (seconds), and so does every load."""
+    "cuda_rng_states": uint8 [ranks, 16]} (no columns without CUDA), and rank 0's CPU state. Each rank draws its
+    own numbers (seed_per_rank), so each rank's own state is saved, not the writer's. A collective: one
+    all-gather of 5 KB a rank. One byte tensor, not lists of ints, which at 4,096 ranks made a save pickle 20
+    million numbers (seconds), and so does every load."""
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.zeros(0, dtype=torch.uint8)
     mine = torch.cat([cpu, cuda]).to(device)
@@ -60,7 +60,10 @@ def gather_rng_states(env: DistEnv, device: torch.device) -> dict[str, torch.Ten
     else:
         table[0] = mine
     table = table.cpu()
-    return {"cpu_rng_states": table[:, :cpu.numel()].clone(), "cuda_rng_states": table[:, cpu.numel():].clone()}
+    # torch_rng_state: rank 0's CPU state, the same value on every rank (DCP writes one rank's copy of it), for
+    # code that reads only that.
+    return {"cpu_rng_states": table[:, :cpu.numel()].clone(), "cuda_rng_states": table[:, cpu.numel():].clone(),
+            "torch_rng_state": table[0, :cpu.numel()].clone()}
 
 
 def as_generator_state(saved: torch.Tensor | list[int]) -> torch.Tensor:

@@ -210,7 +210,6 @@ def training_state(components: dict, progress: TrainingProgress, world_size: int
         **asdict(progress),
         "entries": sorted(components),
         "world_size": world_size,
-        "torch_rng_state": torch.get_rng_state(),
     }
 
 

@@ -125,7 +125,7 @@ class ShardedCheckpointer(Checkpointer):
             else:
                 state[name] = component.state_dict()  # lr schedule, gradient scaler, an EMA: DCP takes any
         # Every rank's own CPU and CUDA generator states (a collective).
-        return {**state, "torch_rng_state": torch.get_rng_state(), **gather_rng_states(self.env, self.device),
+        return {**state, **gather_rng_states(self.env, self.device),
                 "progress": {**asdict(progress), "world_size": world_size}}
 
     def write(self, progress: TrainingProgress) -> Path | None:
