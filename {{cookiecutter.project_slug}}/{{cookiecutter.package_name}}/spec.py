@@ -1,7 +1,8 @@
 """`Task`: everything the package calls from task.py, as one spec that task.py builds at its end
 (`TASK = Task(...)`), in the manner of torchtitan's TrainSpec. Python checks the call: a hook missing or
-misspelled is a TypeError at import that names it. The fields after `summarize` are optional, with the
-defaults below. Also here: the check of the --data and --model names against the spec's tables."""
+misspelled is a TypeError at import that names it. The fields after `smoke_test_args` are optional, with the
+defaults below; of compute_loss and training_step, one is given. Also here: the check of the --data and
+--model names against the spec's tables, and the model's frozen modules that checkpoints leave out."""
 
 from __future__ import annotations
 
