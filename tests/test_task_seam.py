@@ -74,6 +74,38 @@ def test_an_unknown_name_says_which_file_and_function_to_edit(default_project, t
         "write a builder and add 'csv': <builder> to TASK's datasets in ddp_training/task.py"], result.stderr
 
 
+def test_a_frozen_module_left_out_of_checkpoints_and_a_spec_with_two_losses_are_checked(baked_module):
+    import torch
+    from torch import nn
+
+    spec, task, errors = baked_module("spec"), baked_module("task"), baked_module("errors")
+    with pytest.raises(TypeError, match="compute_loss .* or training_step .*: one of the two"):
+        spec.Task(**{**vars(task.TASK), "training_step": lambda step, batches: None})
+
+    def distilled() -> nn.Module:
+        torch.manual_seed(0)  # the teacher comes back the same, as from its own weights file
+        model = nn.ModuleDict({"student": nn.Linear(4, 2), "teacher": nn.Linear(4, 2).requires_grad_(False)})
+        spec.leave_out_of_checkpoints(model, ("teacher",))
+        return model
+    model = distilled()
+    assert list(model.state_dict()) == ["student.weight", "student.bias"]
+    assert spec.describe_parameters(model, ("teacher",)) == (
+        "model: 0.00 M parameters, 0.00 M trained; frozen: teacher; not saved (the model builder makes them each "
+        "run): teacher")
+    restored = distilled()
+    restored.student.weight.data.zero_()
+    restored.load_state_dict(model.state_dict())  # strict: the teacher alone may be missing
+    assert torch.equal(restored.student.weight, model.student.weight)
+    with pytest.raises(RuntimeError, match="Missing key.*student.bias"):
+        restored.load_state_dict({"student.weight": model.student.weight})
+    with pytest.raises(errors.UsageError, match="names 'teachr', which the model has no module of; its top-level "
+                                                "modules: student, teacher"):
+        spec.leave_out_of_checkpoints(model, ("teachr",))
+    with pytest.raises(errors.UsageError, match=r"'student'.*'weight' is trained \(requires_grad\): resumed, it "
+                                                "would start over"):
+        spec.leave_out_of_checkpoints(model, ("student",))
+
+
 @pytest.mark.slow
 def test_a_bug_in_evaluation_shows_before_the_first_step(default_project, tmp_path):
     project = shutil.copytree(default_project, tmp_path / "project")

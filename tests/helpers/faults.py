@@ -9,7 +9,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-from .jobs import wait_for
+from .jobs import assert_no_scheduler_warning, wait_for
 
 
 @contextlib.contextmanager
@@ -43,6 +43,7 @@ def kill_a_worker_and_finish(launcher: subprocess.Popen, after: Path, which: int
     output = launcher.communicate(timeout=300)[0]
     assert launcher.returncode == 0, output[-4000:]
     assert "restart=1" in output and "resuming from" in output, output[-4000:]
+    assert_no_scheduler_warning(output)
     return output
 
 

@@ -149,7 +149,16 @@ def run_job(project: Path, args: list[str], *, timeout: float = 300, **launch: o
         os.killpg(job.pid, signal.SIGKILL)
         job.communicate()
         raise
+    assert_no_scheduler_warning(stdout + stderr)
     return subprocess.CompletedProcess(job.args, job.returncode, stdout, stderr)
+
+
+# torch's LRScheduler warnings, misleading in a loop that sets the lr itself: none in any job's output.
+SCHEDULER_WARNINGS = ("lr_scheduler.step()", "get_last_lr()")
+
+
+def assert_no_scheduler_warning(output: str) -> None:
+    assert not any(warning in output for warning in SCHEDULER_WARNINGS), output[-4000:]
 
 
 def bare_torchrun(project: Path, ckpt_dir: Path, *args: str, **launch: object) -> subprocess.Popen:
