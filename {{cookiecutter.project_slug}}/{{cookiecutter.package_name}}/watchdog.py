@@ -383,7 +383,8 @@ def share_hang_report(store: dist.Store, rank: int, world_size: int, report: dic
     to the job's list and to its machine's, and after the window the machine's lists (the ranks that run here
     and those of them that reported). One rank, the first to report, reads every report, in one multi_get:
     rank 0's store answers each request in turn, and N ranks each checking N keys was 2N^2 requests, two
-    million at a thousand ranks, while every rank waited. `host`: this machine's name."""
+    million at a thousand ranks, while every rank waited; once it has read them it says so, and rank 0, whose
+    process holds the store, waits for that before it ends. `host`: this machine's name."""
     store.set(f"{HANG_REPORTS}{rank}", json.dumps(report))
     store.append(f"{HANG_REPORTS}reporters", f"{rank},")
     store.append(f"{HANG_REPORTS}reporters/{host}", f"{rank},")
@@ -391,11 +392,16 @@ def share_hang_report(store: dist.Store, rank: int, world_size: int, report: dic
     time.sleep(window)
     end_frozen_ranks_on_this_machine(store, rank, host, reported=ranks_in(store.get(f"{HANG_REPORTS}reporters/{host}")))
     if not first:
+        if rank == 0:  # the store lives in this process: exiting now would lose the first reporter's summary,
+            # whose window (3 s + its own longest step) may end after this one's
+            with contextlib.suppress(Exception):
+                store.wait([f"{HANG_REPORTS}read"], timedelta(seconds=window + 5))
         return None
     reporters = sorted(ranks_in(store.get(f"{HANG_REPORTS}reporters")))
     reports = dict(zip(reporters, (json.loads(value) for value in
                                    store.multi_get([f"{HANG_REPORTS}{reporter}" for reporter in reporters])),
                        strict=True))
+    store.set(f"{HANG_REPORTS}read", "1")
     silent = sorted(set(range(world_size)) - set(reports))
     return hang_summary(reports, silent, flight_records)
 
