@@ -128,3 +128,52 @@ def test_a_transient_exception_is_retried(default_project, tmp_path):
     result = run_job(project, tiny_run(num_workers=0, ckpt_dir=tmp_path / "ckpt"), nproc=1, max_restarts=3)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "restart=1" in result.stderr and "a bug, not a fault" not in result.stderr
+
+
+# One head's loss on a batch without its labels: the mean of nothing, NaN, on one rank at step 6. Its gradient is
+# empty, so every gradient stays finite: only rank 1 sees it. (compute_loss's third argument says which step; it
+# also gives the options and the plain model, which the edit checks.)
+NAN_ON_RANK_1_AT_STEP_6 = '''
+
+import dataclasses
+import os
+
+_compute_loss = compute_loss
+
+
+def compute_loss(model, batch, step):
+    assert not hasattr(step.model, "module") and step.options.task.num_classes == 10  # plain model, options
+    loss = _compute_loss(model, batch)
+    unlabelled = torch.zeros(0, device=loss.device)
+    return loss + unlabelled.mean() if step.number == 6 and os.environ.get("RANK") == "1" else loss
+
+
+TASK = dataclasses.replace(TASK, compute_loss=compute_loss)
+'''
+
+
+def test_a_nan_loss_on_one_rank_stops_every_rank_before_its_update_and_a_resume_can_skip_it(default_project,
+                                                                                             tmp_path):
+    project = with_task_code(default_project, tmp_path, NAN_ON_RANK_1_AT_STEP_6)
+    ckpt_dir = tmp_path / "ckpt"
+    args = tiny_run(num_workers=0, max_steps=10, ckpt_every=4, ckpt_dir=ckpt_dir)
+    stopped = run_job(project, args, max_restarts=1)
+    output = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 1, output
+    assert [line for line in output.splitlines() if "not finite" in line] == [
+        "error: step 6: the loss on rank 1 was not finite; stopped before its update, and the checkpoints hold "
+        "only finite models. Find the cause (a batch with nothing to predict, a learning rate too high), or run "
+        "the same command with --skip-nonfinite 1 to skip such steps"], output
+    assert "step 5 | epoch 0" in output and "step 6 | epoch 0" not in output, output  # every rank stopped there
+    assert sorted(path.name for path in ckpt_dir.glob("step-*")) == ["step-4.pt"], "the last good checkpoint kept"
+    assert "restart=1" not in output, "a resume would meet the same batch: not retried"
+
+    resumed = run_job(project, [*args, "--skip-nonfinite", "1"])
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"resuming from {ckpt_dir / 'step-4.pt'}" in resumed.stderr
+    assert "step 6: the loss on rank 1 was not finite; skipped on every rank (1 of --skip-nonfinite 1)" \
+        in resumed.stderr
+    assert "step 8: every rank holds the same parameters" not in resumed.stderr  # (only the first step logs it)
+    losses = [float(loss) for loss in re.findall(r"step (?:7|8|9|10) \| epoch 0 \| loss (\S+)", resumed.stderr)]
+    assert len(losses) == 4 and all(loss == loss and abs(loss) < 1e3 for loss in losses), resumed.stderr
+    assert (ckpt_dir / "step-10.pt").exists()  # saved: a save refuses a model that is not finite

@@ -174,6 +174,19 @@ def test_an_exception_without_a_message_still_makes_one_line(baked_module, tmp_p
         assert failure.first_sentence(error) == type(error).__name__
 
 
+def test_a_model_with_a_nan_parameter_is_never_saved(baked_module):
+    import torch
+
+    common, errors = baked_module("checkpoint.common"), baked_module("errors")
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    common.check_finite(model, 7)  # finite: nothing to say
+    with torch.no_grad():
+        model[1].bias[0] = float("inf")
+    with pytest.raises(errors.NonFiniteTraining, match=r"^step 7: parameter '1.bias' is not finite \(NaN or inf\); "
+                                                       "not saved, so the checkpoints hold only finite models"):
+        common.check_finite(model, 7)
+
+
 SEND_TENSOR_BY_TENSOR = """
 import torch
 import torch.distributed as dist

@@ -106,6 +106,23 @@ def test_a_frozen_module_left_out_of_checkpoints_and_a_spec_with_two_losses_are_
         spec.leave_out_of_checkpoints(model, ("student",))
 
 
+def test_throughput_says_once_that_it_guessed_how_many_samples_a_dict_batch_holds(baked_module, caplog):
+    import logging
+
+    import torch
+
+    spec = baked_module("spec")
+    spec.say_samples_are_guessed.cache_clear()
+    with caplog.at_level(logging.WARNING):
+        assert spec.samples_in((torch.zeros(3, 2), torch.zeros(3))) == 3  # (inputs, targets): no guess
+        batch = {"input_ids": torch.zeros(4, 7), "attention_mask": torch.ones(4, 7)}
+        assert spec.samples_in(batch) == spec.samples_in(batch) == 4
+    assert [record.getMessage() for record in caplog.records] == [
+        "throughput counts 4 samples in a batch (a dict): the length of its first tensor. If that is not how many "
+        "samples it holds (a flat tensor of packed tokens, a per-token first entry), give TASK units_in_batch(batch), "
+        "and throughput_unit to count tokens"]
+
+
 @pytest.mark.slow
 def test_a_bug_in_evaluation_shows_before_the_first_step(default_project, tmp_path):
     project = shutil.copytree(default_project, tmp_path / "project")

@@ -197,10 +197,12 @@ def tagger(options: TrainOptions, train_set: Dataset) -> nn.Module:
 
 ''' + BEFORE_SMALL_CNN),
     ('''def compute_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one there."""
+    """The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one there. Add a
+    third parameter, `step`, for the options, the plain model and the step's number (spec.py's LossStep)."""
     return outputs_and_loss(model, batch)[1]
 ''', '''def compute_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one there."""
+    """The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one there. Add a
+    third parameter, `step`, for the options, the plain model and the step's number (spec.py's LossStep)."""
     return model(**batch).loss
 '''),
     ('''    outputs, loss = outputs_and_loss(model, batch)
@@ -270,7 +272,8 @@ IMAGE_LOSS = '''def outputs_and_loss(model: nn.Module, batch: tuple[torch.Tensor
 
 
 def compute_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    \"\"\"The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one there.\"\"\"
+    \"\"\"The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one there. Add a
+    third parameter, `step`, for the options, the plain model and the step's number (spec.py's LossStep).\"\"\"
     return outputs_and_loss(model, batch)[1]
 '''
 IMAGE_EVALUATION_SUMS = '''    outputs, loss = outputs_and_loss(model, batch)
@@ -430,8 +433,8 @@ LOSS_WEIGHT = {
          "    loss_weight: float = 1.0  # annealed in train.py\n"),
     ],
     "train.py": [
-        ("                        loss = task.compute_loss(training_model, batch)  # the task runs the model on its batch\n",
-         "                        loss = progress.loss_weight * task.compute_loss(training_model, batch)\n"),
+        ("                        loss = task.compute_loss(training_model, batch, loss_step)  # the task runs the model\n",
+         "                        loss = progress.loss_weight * task.compute_loss(training_model, batch, loss_step)\n"),
         ("            progress.advance(samples_per_step)\n",
          "            progress.advance(samples_per_step)\n"
          "            progress.loss_weight = max(0.5, 0.98 * progress.loss_weight)  # halves over the first 35 steps\n"),

@@ -49,6 +49,7 @@ from {{ cookiecutter.package_name }}.metrics import build_meter
 from {{ cookiecutter.package_name }}.optim import (
     LearningRateSchedule,
     MixedPrecision,
+    NonFiniteGuard,
     TaskStep,
     as_one_optimizer,
     planned_steps,
@@ -65,7 +66,7 @@ from {{ cookiecutter.package_name }}.parallel import (
 from {{ cookiecutter.package_name }}.profiling import StepProfiler, record_memory_history
 from {{ cookiecutter.package_name }}.reproducibility import seed_and_choose_kernels, seed_per_rank
 from {{ cookiecutter.package_name }}.selection import ModelSelection
-from {{ cookiecutter.package_name }}.spec import Task
+from {{ cookiecutter.package_name }}.spec import LossStep, Task
 from {{ cookiecutter.package_name }}.task import TASK
 from {{ cookiecutter.package_name }}.watchdog import EXIT_CODE_AFTER_SIGTERM, StopAgreement, Watchdog
 
@@ -94,7 +95,8 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     # After wrapping: FSDP2 swaps in sharded parameters. Several named optimizers are stepped as one.
     optimizers = task.build_optimizer(model, options)
     optimizer = as_one_optimizer(optimizers)
-    task_step = TaskStep(training_model, optimizers, amp, options.clip_grad) if task.training_step else None
+    nonfinite = NonFiniteGuard(options.skip_nonfinite, amp, device)  # a NaN loss stops the job (or is skipped)
+    task_step = TaskStep(training_model, optimizers, amp, options.clip_grad, nonfinite) if task.training_step else None
     step_batches = []  # the micro-batches of the step a task's training_step takes
     samples_per_step = options.batch_size * options.grad_accum * env.world_size  # all ranks together
     # Over samples seen, not steps: a job resumed on another number of ranks continues the same curve.
@@ -106,6 +108,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     checkpointer = build_checkpointer(options, env, device, model=model, optimizer=optimizer,
                                       lr_schedule=lr_schedule, grad_scaler=amp, selection=selection, **stream)
     progress = checkpointer.resume()
+    loss_step = LossStep(options, model, progress)  # what compute_loss may read: options, the plain model, the step
     profiler = StepProfiler(options, env, device, watchdog)  # --profile-steps
     profiler.before_step(progress.step + 1)
     first_step = progress.step + 1  # of this run
@@ -149,14 +152,16 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
             else:
                 with gradient_sync(training_model, enabled=last_micro_batch):  # all-reduce on the last micro-step
                     with amp.autocast():
-                        loss = task.compute_loss(training_model, batch)  # the task runs the model on its batch
+                        loss = task.compute_loss(training_model, batch, loss_step)  # the task runs the model
                     amp.backward(loss / options.grad_accum)  # the mean over the step's micro-batches
                 meter.update(loss, task.units_in_batch(batch))
+                nonfinite.watch(loss)
                 if not last_micro_batch:
                     continue
                 amp.scaler.unscale_(optimizer)  # true gradients for the norm and clipping (a no-op unless fp16)
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), options.clip_grad or math.inf)
-                amp.scaler.step(optimizer)  # fp16: skips a step whose gradients overflowed
+                if nonfinite.allows_update(progress.step + 1, grad_norm):  # else skipped on every rank, or a stop
+                    amp.scaler.step(optimizer)  # fp16: skips a step whose gradients overflowed
                 amp.scaler.update()
                 optimizer.zero_grad(set_to_none=True)
             progress.advance(samples_per_step)

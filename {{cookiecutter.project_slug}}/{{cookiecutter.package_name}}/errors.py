@@ -10,3 +10,8 @@ class UsageError(Exception):
     def __init__(self, message: str, same_on_every_rank: bool = True):
         super().__init__(message)
         self.same_on_every_rank = same_on_every_rank
+
+
+class NonFiniteTraining(UsageError):
+    """A NaN or inf loss, gradient norm or parameter: the job stops before that step's update or save (a resume
+    would meet the same batch again), its checkpoints holding only finite models."""

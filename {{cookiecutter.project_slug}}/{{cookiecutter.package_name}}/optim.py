@@ -6,6 +6,7 @@ task.py; the step is written out in train.py."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -13,9 +14,12 @@ from typing import Any
 
 import torch
 
-from .errors import UsageError
+from .collectives import all_gather_objects, all_reduce
+from .errors import NonFiniteTraining, UsageError
 from .options import TrainOptions
 from .parallel import gradient_sync
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -80,6 +84,50 @@ def member_optimizers(optimizer: torch.optim.Optimizer) -> list[torch.optim.Opti
     return list(optimizer.optimizers.values()) if isinstance(optimizer, Optimizers) else [optimizer]
 
 
+class NonFiniteGuard:
+    """A NaN or inf loss on any rank, or gradient norm, is found before the optimizer step and handled the same
+    way on every rank: the step is skipped (--skip-nonfinite N, up to N in a run) or the job stops, with one line
+    naming the step, the ranks and the value. Before the check the ranks agree (a loss is one rank's own, and a
+    NaN in a term whose gradient is empty, a head's loss on a batch without its labels, leaves every gradient
+    finite): a 2-number all-reduce and one host sync a step. Under fp16 an inf gradient is the scaler's to skip
+    (it lowers its scale); only the loss is checked there."""
+
+    def __init__(self, allowed: int, amp: MixedPrecision, device: torch.device):
+        self.allowed = allowed
+        self.skipped = 0
+        self.check_gradients = not amp.scaler.is_enabled()
+        self.device = device
+        self.loss_not_finite = torch.zeros((), dtype=torch.bool, device=device)  # since the last check
+
+    def watch(self, loss: torch.Tensor) -> None:
+        """Each micro-batch's loss, on the device (no host sync)."""
+        self.loss_not_finite |= ~torch.isfinite(loss.detach()).all()
+
+    def allows_update(self, step: int, grad_norm: torch.Tensor) -> bool:
+        """Whether this step's update may run: True if every rank's loss and the gradient norm are finite; False
+        if a non-finite one is skipped (its gradients are then the caller's to zero); else NonFiniteTraining."""
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: DTensor
+        grads_bad = ~torch.isfinite(grad_norm.detach()) if self.check_gradients else torch.zeros((), dtype=torch.bool)
+        mine = torch.stack([self.loss_not_finite, grads_bad.to(self.device)]).int()
+        self.loss_not_finite = torch.zeros((), dtype=torch.bool, device=self.device)
+        if not any(all_reduce(mine.clone(), "max").tolist()):
+            return True
+        losses = [rank for rank, flags in enumerate(all_gather_objects(mine.tolist())) if flags[0]]
+        parts = ([f"the loss on rank{'s' if len(losses) > 1 else ''} {', '.join(map(str, losses[:8]))}"
+                  f"{' and more' if len(losses) > 8 else ''}"] if losses else []) + \
+                ([f"the gradient norm ({float(grad_norm):g})"] if bool(grads_bad) else [])
+        what = f"{' and '.join(parts)} {'were' if len(parts) > 1 else 'was'} not finite"
+        if self.skipped < self.allowed:
+            self.skipped += 1
+            log.warning("step %d: %s; skipped on every rank (%d of --skip-nonfinite %d)", step, what, self.skipped,
+                        self.allowed)
+            return False
+        raise NonFiniteTraining(
+            f"step {step}: {what}; stopped before its update, and the checkpoints hold only finite models. Find "
+            f"the cause (a batch with nothing to predict, a learning rate too high), or run the same command "
+            f"with --skip-nonfinite {self.allowed + 1} to skip such steps")
+
+
 class TaskStep:
     """What a task's training_step(step, batches) is given: its networks and optimizers by name, and the two calls
     that do what train.py's own step does.
@@ -94,15 +142,17 @@ class TaskStep:
     only. Returns the mean loss (detached). A network's forward runs once per backward (DDP's rule): to score
     real and generated samples, concatenate them.
     update(*names): those optimizers take their step: gradients unscaled (fp16), clipped (--clip-grad, over
-    their parameters), stepped, zeroed. Any pattern: the critic every step, the generator every fifth
+    their parameters), checked (a NaN or inf loss or gradient norm: skipped or the job stops, as train.py's own
+    step), stepped, zeroed. Any pattern: the critic every step, the generator every fifth
     (step.number % 5 == 0). Gradients a backward left on a network whose optimizer did not step (the critic's,
     from the generator's loss) are zeroed when the step ends."""
 
     def __init__(self, networks: SimpleNamespace, built: torch.optim.Optimizer | dict[str, torch.optim.Optimizer],
-                 amp: MixedPrecision, clip_grad: float | None):
+                 amp: MixedPrecision, clip_grad: float | None, nonfinite: NonFiniteGuard):
         self.networks = networks
         self.optimizers = built if isinstance(built, dict) else {"optimizer": built}  # task.build_optimizer's
         self.amp = amp
+        self.nonfinite = nonfinite
         self.clip_grad = clip_grad or math.inf
         self.number = 0  # the optimizer step being taken: 1 for the first
         self.grad_norms: list[torch.Tensor] = []
@@ -116,6 +166,7 @@ class TaskStep:
                 with self.amp.autocast():
                     loss = loss_of(self.networks, batch)
                 self.amp.backward(loss / len(batches))
+            self.nonfinite.watch(loss)
             total = total + loss.detach()
         return total / len(batches)
 
@@ -129,7 +180,8 @@ class TaskStep:
             self.amp.scaler.unscale_(optimizer)
             parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
             self.grad_norms.append(torch.nn.utils.clip_grad_norm_(parameters, self.clip_grad))
-            self.amp.scaler.step(optimizer)
+            if self.nonfinite.allows_update(self.number, self.grad_norms[-1]):  # NaN/inf: skipped, or the job stops
+                self.amp.scaler.step(optimizer)
             optimizer.zero_grad(set_to_none=True)
 
     def run(self, training_step: Callable[[TaskStep, list], torch.Tensor], batches: list, number: int

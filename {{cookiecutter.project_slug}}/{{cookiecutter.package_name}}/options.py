@@ -52,6 +52,9 @@ class TrainOptions:
         1, "micro-batches per optimizer step; gradients are all-reduced once per step, "
         "so the global batch is --batch-size x world size x this")
     clip_grad: float | None = option(None, "clip the gradient norm to this before each step (default: no clipping)")
+    skip_nonfinite: int = option(
+        0, "optimizer steps whose loss or gradient norm is not finite (NaN, inf) on any rank to skip, in this run, "
+        "before stopping; 0: stop at the first, before its update, with the last checkpoint intact")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = option(
         "auto", "autocast dtype; auto: bf16 on CUDA that supports it, else fp32. fp16 uses a gradient scaler")
     strategy: Literal["ddp", "fsdp2"] = option(
@@ -144,6 +147,8 @@ class TrainOptions:
         for name in ("step_timeout", "io_timeout"):
             if not getattr(self, name) > 0:
                 raise UsageError(f"--{flag(name)} must be > 0 seconds, got {getattr(self, name)}")
+        if self.skip_nonfinite < 0:
+            raise UsageError(f"--skip-nonfinite must be >= 0 (0: stop at the first), got {self.skip_nonfinite}")
         if self.clip_grad is not None and not self.clip_grad > 0:
             raise UsageError(f"--clip-grad must be > 0 (or left out for no clipping), got {self.clip_grad}")
         if self.keep_best is not None and not re.fullmatch(r"\S+:(min|max)", self.keep_best):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,9 +33,34 @@ ModelBuilder = Callable[[TrainOptions, Dataset], nn.Module]  # options, the trai
 
 def samples_in(batch: Any) -> int:
     """The default unit count of a batch: the length of its first tensor, in any nesting (tuple, dict,
-    dataclass)."""
+    dataclass). A guess unless the batch is a tuple of tensors (inputs, targets): said once."""
     first = next(tensors_in(batch), None)
-    return first.shape[0] if first is not None and first.dim() else 1
+    count = first.shape[0] if first is not None and first.dim() else 1
+    if not (isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor)):
+        say_samples_are_guessed(type(batch).__name__, count)
+    return count
+
+
+@functools.cache
+def say_samples_are_guessed(kind: str, count: int) -> None:
+    log.warning("throughput counts %d samples in a batch (a %s): the length of its first tensor. If that is not how "
+                "many samples it holds (a flat tensor of packed tokens, a per-token first entry), give TASK "
+                "units_in_batch(batch), and throughput_unit to count tokens", count, kind)
+
+
+@dataclass
+class LossStep:
+    """What compute_loss(model, batch, step) may read besides the model it runs: the options (the task's own as
+    options.task), the plain model, for its attributes (`model` itself is wrapped: DDP, FSDP2, torch.compile),
+    and the number of the optimizer step being taken (1 for the first)."""
+
+    options: TrainOptions
+    model: nn.Module
+    progress: Any  # checkpoint.TrainingProgress: where training stands
+
+    @property
+    def number(self) -> int:
+        return self.progress.step + 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,8 +71,9 @@ class Task:
     datasets: dict[str, DatasetBuilder]  # --data name -> builder of (train, held-out) datasets
     models: dict[str, ModelBuilder]  # --model name -> builder
     build_optimizer: Callable[[nn.Module, TrainOptions], torch.optim.Optimizer | dict[str, torch.optim.Optimizer]]
-    # (model, batch) -> the mean loss, minimised; None with a training_step (below).
-    compute_loss: Callable[[nn.Module, Any], torch.Tensor] | None = None
+    # (model, batch) or (model, batch, step) -> the mean loss, minimised; None with a training_step (below).
+    # `step` (LossStep): the options and the plain model (`model` is wrapped: DDP, FSDP2, torch.compile).
+    compute_loss: Callable[..., torch.Tensor] | None = None
     evaluation_sums: Callable[[nn.Module, Any], dict[str, Any]]  # (model, batch) -> sums over the batch
     summarize: Callable[[dict[str, Any], dict[str, torch.Tensor]], dict[str, float]]  # sums -> logged metrics
     smoke_test_args: list[str]  # the tiny run tests/ trains: keep it quick and learnable
@@ -83,6 +111,9 @@ class Task:
         if (self.compute_loss is None) == (self.training_step is None):
             raise TypeError("Task(...) takes compute_loss (train.py steps every optimizer) or training_step (the "
                             "task steps them itself): one of the two")
+        if self.compute_loss is not None and not takes_a_third_argument(self.compute_loss):
+            two = self.compute_loss  # compute_loss(model, batch): called as every other, with the step left out
+            object.__setattr__(self, "compute_loss", lambda model, batch, step: two(model, batch))
         if not dataclasses.is_dataclass(self.options):
             raise TypeError(f"Task(options=...) must be a dataclass of the task's flags, got {self.options!r}")
         if self.prepare_data and "data_dir" not in {f.name for f in dataclasses.fields(self.options)}:
@@ -127,6 +158,14 @@ class Task:
         table = "datasets" if kind == "data" else "models"
         return (f"--{kind} {name!r} is not in the task's {table}; {hint} To add it, write a builder and add "
                 f"{name!r}: <builder> to TASK's {table} in {self.options.__module__.replace('.', '/')}.py")
+
+
+def takes_a_third_argument(function: Callable) -> bool:
+    """Whether compute_loss can be called with (model, batch, step)."""
+    kinds = [parameter.kind for parameter in inspect.signature(function).parameters.values()]
+    positional = [kind for kind in kinds if kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                     inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    return inspect.Parameter.VAR_POSITIONAL in kinds or len(positional) >= 3
 
 
 def leave_out_of_checkpoints(model: nn.Module, names: tuple[str, ...]) -> None:

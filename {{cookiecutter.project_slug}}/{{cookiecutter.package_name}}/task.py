@@ -293,7 +293,8 @@ def outputs_and_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor])
 
 
 def compute_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one there."""
+    """The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one there. Add a
+    third parameter, `step`, for the options, the plain model and the step's number (spec.py's LossStep)."""
     return outputs_and_loss(model, batch)[1]
 
 
@@ -597,7 +598,8 @@ def logits_and_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) 
 
 
 def compute_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one there."""
+    """The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one there. Add a
+    third parameter, `step`, for the options, the plain model and the step's number (spec.py's LossStep)."""
     return logits_and_loss(model, batch)[1]
 
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from ..collectives import from_first_rank_with
+from ..collectives import all_gather_objects, all_reduce, from_first_rank_with
 from ..distributed import DistEnv
-from ..errors import UsageError
+from ..errors import NonFiniteTraining, UsageError
 from ..options import TrainOptions, config_text, every_option, fixed_under_a_checkpoint, flag
 from ..parallel import check_replicas_match, sync_buffers_from_main
 from ..reproducibility import restore_rng_states
@@ -171,6 +171,24 @@ def take_lease(path: Path, env: DistEnv):
     return lease, None
 
 
+def check_finite(model: torch.nn.Module, step: int) -> None:
+    """Stop rather than save a model with a NaN or inf parameter, so the newest checkpoint, and every one that
+    retention keeps, holds a finite model. A collective (under FSDP2 each rank sees its own shards): one small
+    all-reduce."""
+    parameters = [(name, parameter.to_local() if hasattr(parameter, "to_local") else parameter)
+                  for name, parameter in model.named_parameters()]
+    if not parameters:
+        return
+    finite = torch.stack([torch.isfinite(parameter.detach()).all() for _, parameter in parameters])
+    if not all_reduce((~finite).any().int().reshape(1), "max").item():
+        return
+    mine = next((name for (name, _), ok in zip(parameters, finite.tolist(), strict=True) if not ok), None)
+    name = next(found for found in all_gather_objects(mine) if found is not None)
+    raise NonFiniteTraining(f"step {step}: parameter {name!r} is not finite (NaN or inf); not saved, so the "
+                            "checkpoints hold only finite models. Resume from the newest one with a lower --lr, or "
+                            "--clip-grad")
+
+
 class Checkpointer:
     """Saving and resuming, whichever files hold the state. `components` are what a checkpoint holds besides
     progress: anything with state_dict/load_state_dict (model, optimizer, lr schedule, gradient scaler). Add
@@ -202,6 +220,7 @@ class Checkpointer:
             self.last_saved_step = progress.step
             started = time.perf_counter()
             check_replicas_match(self.components["model"], progress.step)  # never save one rank's model of several
+            check_finite(self.components["model"], progress.step)  # nor a NaN one
             for component in self.components.values():  # state spread over ranks (a stream's position)
                 if hasattr(component, "gather_from_ranks"):
                     component.gather_from_ranks()
