@@ -182,8 +182,13 @@ def test_a_model_with_a_nan_parameter_is_never_saved(baked_module):
     common.check_finite(model, 7)  # finite: nothing to say
     with torch.no_grad():
         model[1].bias[0] = float("inf")
-    with pytest.raises(errors.NonFiniteTraining, match=r"^step 7: parameter '1.bias' is not finite \(NaN or inf\); "
-                                                       "not saved, so the checkpoints hold only finite models"):
+    with pytest.raises(errors.NonFiniteTraining, match=r"^step 7: '1.bias' of the model is not finite \(NaN or "
+                                                       r"inf\); not saved, so the checkpoints hold only finite models"):
+        common.check_finite(model, 7)
+    with torch.no_grad():
+        model[1].bias[0] = 0.0
+    model.register_buffer("running_mean", torch.tensor([float("nan")]))  # a BatchNorm statistic, say
+    with pytest.raises(errors.NonFiniteTraining, match="^step 7: 'running_mean' of the model is not finite"):
         common.check_finite(model, 7)
 
 

@@ -81,6 +81,10 @@ def test_a_frozen_module_left_out_of_checkpoints_and_a_spec_with_two_losses_are_
     spec, task, errors = baked_module("spec"), baked_module("task"), baked_module("errors")
     with pytest.raises(TypeError, match="compute_loss .* or training_step .*: one of the two"):
         spec.Task(**{**vars(task.TASK), "training_step": lambda step, batches: None})
+    # compute_loss(model, batch, step) gets the step; a third parameter with a default is the task's own
+    assert spec.takes_a_third_argument(lambda model, batch, step: 0)
+    assert spec.takes_a_third_argument(lambda *args: 0)
+    assert not spec.takes_a_third_argument(lambda model, batch, label_smoothing=0.1: 0)
 
     def distilled() -> nn.Module:
         torch.manual_seed(0)  # the teacher comes back the same, as from its own weights file

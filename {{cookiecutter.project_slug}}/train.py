@@ -79,11 +79,11 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     # ended (with its stack logged) so that torchrun restarts the group.
     watchdog = Watchdog(env, store, step_timeout=options.step_timeout, io_timeout=options.io_timeout)
     stop = StopAgreement(side_group())
-    seed_and_choose_kernels(options, env, device)  # CUDA: a generator seed per rank; cuDNN autotuning
+    seed_and_choose_kernels(options, env, device)  # --seed; cuDNN autotuning
     train_set, eval_set = task.build_datasets(options, env, device)
     train_loader, eval_loader = build_loaders(train_set, eval_set, options, env, device, task.collate)
     model = task.build_model(options, train_set).to(device)
-    seed_per_rank(options, env)  # the model is the same everywhere; from here on each rank draws its own numbers
+    seed_per_rank(options, env, device)  # the model is the same everywhere; now each rank draws its own numbers
     channels_last = uses_channels_last(model, device, options.channels_last)
     model = model.to(memory_format=torch.channels_last) if channels_last else model
     amp = MixedPrecision(resolve_precision(options.precision, device), device)
@@ -96,7 +96,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     optimizers = task.build_optimizer(model, options)
     optimizer = as_one_optimizer(optimizers)
     nonfinite = NonFiniteGuard(options.skip_nonfinite, amp, device)  # a NaN loss stops the job (or is skipped)
-    task_step = TaskStep(training_model, optimizers, amp, options.clip_grad, nonfinite) if task.training_step else None
+    task_step = TaskStep(training_model, optimizers, amp, options, nonfinite) if task.training_step else None
     step_batches = []  # the micro-batches of the step a task's training_step takes
     samples_per_step = options.batch_size * options.grad_accum * env.world_size  # all ranks together
     # Over samples seen, not steps: a job resumed on another number of ranks continues the same curve.
@@ -141,13 +141,13 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
         for micro_step, batch in enumerate(meter.timed(train_loader), start=1):
             batch = to_device(batch, device, channels_last)  # whatever task.collate made: tuple, dict, ...
             last_micro_batch = micro_step % options.grad_accum == 0  # of this optimizer step
-            lr = lr_schedule.set_lr(progress.samples_seen + samples_per_step)  # this step's: where it ends
             if task_step is not None:  # the task steps its optimizers itself: optim.py's TaskStep
                 step_batches.append(batch)
                 if not last_micro_batch:
                     continue
+                lr = lr_schedule.set_lr(progress.samples_seen + samples_per_step)  # this step's: where it ends
                 loss, grad_norm = task_step.run(task.training_step, step_batches, number=progress.step + 1)
-                meter.update(loss, sum(task.units_in_batch(batch) for batch in step_batches))
+                meter.update(loss, sum(task.units_in_batch(micro_batch) for micro_batch in step_batches))
                 step_batches = []
             else:
                 with gradient_sync(training_model, enabled=last_micro_batch):  # all-reduce on the last micro-step
@@ -160,6 +160,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
                     continue
                 amp.scaler.unscale_(optimizer)  # true gradients for the norm and clipping (a no-op unless fp16)
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), options.clip_grad or math.inf)
+                lr = lr_schedule.set_lr(progress.samples_seen + samples_per_step)  # this step's: where it ends
                 if nonfinite.allows_update(progress.step + 1, grad_norm):  # else skipped on every rank, or a stop
                     amp.scaler.step(optimizer)  # fp16: skips a step whose gradients overflowed
                 amp.scaler.update()

@@ -170,8 +170,9 @@ class TrainingMeter:
             yield batch
 
     def update(self, loss: torch.Tensor, units: int | torch.Tensor) -> None:
-        """After every micro-batch: its loss and how many units (samples, tokens) this rank trained on; a
-        tensor count stays on the device, so counting costs no host sync."""
+        """After every micro-batch (or once a step, with the step's mean loss, for a task's training_step): its
+        loss and how many units (samples, tokens) this rank trained on; a tensor count stays on the device, so
+        counting costs no host sync."""
         self.loss_sum += loss.detach()
         self.micro_batches += 1
         self.units += units

@@ -17,7 +17,7 @@ import torch
 from .collectives import all_gather_objects, all_reduce
 from .errors import NonFiniteTraining, UsageError
 from .options import TrainOptions
-from .parallel import gradient_sync
+from .parallel import gradient_sync, is_sharded
 
 log = logging.getLogger(__name__)
 
@@ -129,33 +129,41 @@ class NonFiniteGuard:
 
 
 class TaskStep:
-    """What a task's training_step(step, batches) is given: its networks and optimizers by name, and the two calls
-    that do what train.py's own step does.
+    """What a task's training_step(step, batches) is given: its networks and optimizers by name, the options, and
+    the two calls that do what train.py's own step does.
 
         def training_step(step, batches):
-            critic_loss = step.backward(critic_loss_of, batches)  # critic_loss_of(step.networks, batch)
+            critic = step.backward(critic_loss, batches)  # critic_loss(step.networks, batch), each micro-batch
             step.update("critic")  # only the critic's parameters move
-            return step.backward(generator_loss_of, batches) and step.update("generator")
+            step.backward(generator_loss, batches)
+            step.update("generator")
+            return critic  # logged
 
-    backward(loss_of, batches): for each micro-batch, loss_of(networks, batch) under autocast, its backward
-    scaled for fp16 and divided by the number of micro-batches; gradients are all-reduced on the last one
-    only. Returns the mean loss (detached). A network's forward runs once per backward (DDP's rule): to score
-    real and generated samples, concatenate them.
+    backward(loss_of, batches): for each micro-batch (the step's --grad-accum, all on the device), loss_of(networks,
+    batch) under autocast, its backward scaled for fp16 and divided by the number of micro-batches; gradients
+    are all-reduced on the last one only. Returns the mean loss (detached). DDP's rules hold for each network:
+    one forward with gradients per backward (to score real and generated samples, concatenate them), and a
+    network used without gradients (the generator in the critic's loss) runs under torch.no_grad(), not with
+    its output .detach()ed, which leaves DDP waiting for a backward that never comes.
     update(*names): those optimizers take their step: gradients unscaled (fp16), clipped (--clip-grad, over
-    their parameters), checked (a NaN or inf loss or gradient norm: skipped or the job stops, as train.py's own
-    step), stepped, zeroed. Any pattern: the critic every step, the generator every fifth
-    (step.number % 5 == 0). Gradients a backward left on a network whose optimizer did not step (the critic's,
-    from the generator's loss) are zeroed when the step ends."""
+    their parameters), checked (a NaN or inf loss or gradient norm: skipped or the job stops, as train.py's
+    own step does; one small all-reduce and host sync per update), stepped, zeroed. Each optimizer once a step
+    at most (the fp16 gradient scaler's rule; a critic stepped five times per generator step takes five steps,
+    the generator's when step.number % 5 == 0). Gradients a backward left on a network whose optimizer did not
+    step (the critic's, from the generator's loss) are zeroed when the step ends. Every rank must call these
+    in the same order: they hold collectives."""
 
     def __init__(self, networks: SimpleNamespace, built: torch.optim.Optimizer | dict[str, torch.optim.Optimizer],
-                 amp: MixedPrecision, clip_grad: float | None, nonfinite: NonFiniteGuard):
+                 amp: MixedPrecision, options: TrainOptions, nonfinite: NonFiniteGuard):
         self.networks = networks
+        self.options = options  # the task's own as options.task
         self.optimizers = built if isinstance(built, dict) else {"optimizer": built}  # task.build_optimizer's
         self.amp = amp
         self.nonfinite = nonfinite
-        self.clip_grad = clip_grad or math.inf
+        self.clip_grad = options.clip_grad or math.inf
         self.number = 0  # the optimizer step being taken: 1 for the first
         self.grad_norms: list[torch.Tensor] = []
+        self.stepped: set[str] = set()  # this step's
 
     def backward(self, loss_of: Callable[[SimpleNamespace, Any], torch.Tensor], batches: list) -> torch.Tensor:
         total = 0.0
@@ -176,6 +184,10 @@ class TaskStep:
             raise UsageError(f"training_step: step.update({', '.join(map(repr, names))}): name optimizers that "
                              f"task.build_optimizer returned: {', '.join(self.optimizers)}")
         for name in names:
+            if name in self.stepped:
+                raise UsageError(f"training_step: step.update({name!r}) twice in one step; an optimizer steps once a "
+                                 "step (the fp16 gradient scaler's rule): take more steps, updating it in each")
+            self.stepped.add(name)
             optimizer = self.optimizers[name]
             self.amp.scaler.unscale_(optimizer)
             parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
@@ -183,11 +195,15 @@ class TaskStep:
             if self.nonfinite.allows_update(self.number, self.grad_norms[-1]):  # NaN/inf: skipped, or the job stops
                 self.amp.scaler.step(optimizer)
             optimizer.zero_grad(set_to_none=True)
+        for network in vars(self.networks).values():
+            network = getattr(network, "_orig_mod", network)  # under torch.compile
+            if is_sharded(network):  # an FSDP2 root keeps its whole parameters after a forward without gradients
+                network.reshard()  # (no backward reshards it): its next forward would use them, not the stepped ones
 
     def run(self, training_step: Callable[[TaskStep, list], torch.Tensor], batches: list, number: int
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step by the task: (the loss it returned, the norm of all gradients it clipped)."""
-        self.number, self.grad_norms = number, []
+        self.number, self.grad_norms, self.stepped = number, [], set()
         loss = training_step(self, batches)
         if not isinstance(loss, torch.Tensor):
             raise UsageError(f"task.training_step returned {type(loss).__name__}; return the loss to log, a tensor")

@@ -13,15 +13,11 @@ from .options import TrainOptions
 
 
 def seed_and_choose_kernels(options: TrainOptions, env: DistEnv, device: torch.device) -> None:
-    """The CPU generator gets --seed on every rank: model initialisation must be identical everywhere (FSDP2
-    shards each rank's own copy); seed_per_rank follows once the model is built. Each rank's CUDA generator gets
-    a seed of its own, so GPU dropout draws different masks on different ranks, as it would on different
-    samples of one large batch."""
+    """Every generator (CPU, CUDA) gets --seed on every rank: model initialisation must be identical everywhere,
+    on either device (FSDP2 shards each rank's own copy); seed_per_rank follows once the model is built."""
     torch.manual_seed(options.seed)
     if device.type != "cuda":
         return
-    with torch.cuda.device(device):
-        torch.cuda.manual_seed(rank_seed(options.seed, env.rank))
     if options.deterministic:
         # Bitwise-repeatable GPU kernels, for comparing runs (e.g. a resumed one against an uninterrupted one).
         # warn_only: ops with no deterministic variant (adaptive pooling's backward) warn instead of failing.
@@ -32,11 +28,16 @@ def seed_and_choose_kernels(options: TrainOptions, env: DistEnv, device: torch.d
         torch.backends.cudnn.benchmark = True
 
 
-def seed_per_rank(options: TrainOptions, env: DistEnv) -> None:
-    """Once the model is built: the CPU generator, too, gets a seed of its own per rank, so what a loss or a forward
-    draws on the CPU (torch.randn noise, dropout) differs between ranks, as on the GPU; with one seed everywhere
-    every rank would draw the same noise for its different samples."""
+def seed_per_rank(options: TrainOptions, env: DistEnv, device: torch.device) -> None:
+    """Once the model is built: the CPU and CUDA generators get a seed of their own per rank, so what a loss or a
+    forward draws (torch.randn noise, dropout masks) differs between ranks, as it would between the samples of
+    one large batch; with one seed everywhere every rank would draw the same noise for its different samples.
+    A draw every rank must make alike (which blocks LayerDrop skips: ranks that ran different blocks would wait
+    for each other's gradients) takes a generator of its own, seeded from --seed and the step number."""
     torch.default_generator.manual_seed(rank_seed(options.seed, env.rank))
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(rank_seed(options.seed, env.rank))
 
 
 def rank_seed(seed: int, rank: int) -> int:

@@ -11,6 +11,7 @@ import difflib
 import functools
 import inspect
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -161,11 +162,13 @@ class Task:
 
 
 def takes_a_third_argument(function: Callable) -> bool:
-    """Whether compute_loss can be called with (model, batch, step)."""
-    kinds = [parameter.kind for parameter in inspect.signature(function).parameters.values()]
-    positional = [kind for kind in kinds if kind in (inspect.Parameter.POSITIONAL_ONLY,
-                                                     inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    return inspect.Parameter.VAR_POSITIONAL in kinds or len(positional) >= 3
+    """Whether compute_loss takes (model, batch, step): a third positional parameter without a default (one with
+    a default, label_smoothing=0.1, is the task's own), or *args."""
+    parameters = list(inspect.signature(function).parameters.values())
+    positional = [parameter for parameter in parameters if parameter.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                                               inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    return any(parameter.kind == inspect.Parameter.VAR_POSITIONAL for parameter in parameters) or (
+        len(positional) >= 3 and (positional[2].default is inspect.Parameter.empty or positional[2].name == "step"))
 
 
 def leave_out_of_checkpoints(model: nn.Module, names: tuple[str, ...]) -> None:
@@ -191,8 +194,10 @@ def leave_out_of_checkpoints(model: nn.Module, names: tuple[str, ...]) -> None:
         for key in [key for key in state if key.removeprefix(prefix).startswith(prefixes)]:
             del state[key]
 
+    left_out = re.compile(rf"(^|\.)({'|'.join(map(re.escape, names))})\.")  # also under a parent's prefix
+
     def forgive(module: nn.Module, incompatible: Any) -> None:
-        incompatible.missing_keys[:] = [key for key in incompatible.missing_keys if not key.startswith(prefixes)]
+        incompatible.missing_keys[:] = [key for key in incompatible.missing_keys if not left_out.search(key)]
 
     # (register_state_dict_post_hook is the public name of the first since torch 2.5.)
     getattr(model, "register_state_dict_post_hook", model._register_state_dict_hook)(drop)

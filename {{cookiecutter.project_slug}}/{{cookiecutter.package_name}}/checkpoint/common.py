@@ -172,11 +172,13 @@ def take_lease(path: Path, env: DistEnv):
 
 
 def check_finite(model: torch.nn.Module, step: int) -> None:
-    """Stop rather than save a model with a NaN or inf parameter, so the newest checkpoint, and every one that
+    """Stop rather than save a model with a NaN or inf parameter or floating-point buffer (BatchNorm statistics,
+    which a forward on a skipped NaN batch has already moved), so the newest checkpoint, and every one that
     retention keeps, holds a finite model. A collective (under FSDP2 each rank sees its own shards): one small
     all-reduce."""
-    parameters = [(name, parameter.to_local() if hasattr(parameter, "to_local") else parameter)
-                  for name, parameter in model.named_parameters()]
+    parameters = [(name, tensor.to_local() if hasattr(tensor, "to_local") else tensor)
+                  for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+                  if tensor.is_floating_point()]
     if not parameters:
         return
     finite = torch.stack([torch.isfinite(parameter.detach()).all() for _, parameter in parameters])
@@ -184,7 +186,7 @@ def check_finite(model: torch.nn.Module, step: int) -> None:
         return
     mine = next((name for (name, _), ok in zip(parameters, finite.tolist(), strict=True) if not ok), None)
     name = next(found for found in all_gather_objects(mine) if found is not None)
-    raise NonFiniteTraining(f"step {step}: parameter {name!r} is not finite (NaN or inf); not saved, so the "
+    raise NonFiniteTraining(f"step {step}: {name!r} of the model is not finite (NaN or inf); not saved, so the "
                             "checkpoints hold only finite models. Resume from the newest one with a lower --lr, or "
                             "--clip-grad")
 
