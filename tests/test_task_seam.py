@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from helpers import (
     checkpoint,
     checkpoint_state,
     flags,
+    free_port,
     kill_a_worker_and_finish,
     metric_rows,
     readme_block,
@@ -125,6 +127,69 @@ def test_throughput_says_once_that_it_guessed_how_many_samples_a_dict_batch_hold
         "throughput counts 4 samples in a batch (a dict): the length of its first tensor. If that is not how many "
         "samples it holds (a flat tensor of packed tokens, a per-token first entry), give TASK units_in_batch(batch), "
         "and throughput_unit to count tokens"]
+
+
+# A task's own step under FSDP2, one rank: the generator trains, then runs without gradients (in the critic's
+# loss), then both optimizers step. A root FSDP2 module keeps its whole parameters after a forward without
+# gradients; unless the step reshards it, its next forward computes with the parameters from before the update.
+STALE_AFTER_NO_GRAD = """
+import os
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddp_training.optim import MixedPrecision, NonFiniteGuard, TaskStep
+from ddp_training.parallel import wrap_networks
+
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:" + os.environ["PORT"])
+cpu = torch.device("cpu")
+torch.manual_seed(0)
+model = nn.Module()
+model.generator, model.critic = nn.Linear(4, 4), nn.Linear(4, 1)
+networks = wrap_networks(model, cpu, "fsdp2")
+optimizers = {name: torch.optim.SGD(getattr(model, name).parameters(), lr=0.1) for name in ("generator", "critic")}
+amp = MixedPrecision("fp32", cpu)
+step = TaskStep(networks, optimizers, amp, SimpleNamespace(clip_grad=None), NonFiniteGuard(0, amp, cpu))
+
+
+def generator_loss(networks, batch):
+    return networks.critic(networks.generator(batch)).mean()
+
+
+def critic_loss(networks, batch):
+    with torch.no_grad():
+        fakes = networks.generator(batch)
+    return networks.critic(fakes).mean()
+
+
+def training_step(step, batches):
+    step.backward(generator_loss, batches)
+    critic = step.backward(critic_loss, batches)
+    step.update("generator", "critic")
+    return critic
+
+
+batch = torch.randn(8, 4)
+before = model.generator.weight.full_tensor().clone()
+step.run(training_step, [batch], number=1)
+weight, bias = model.generator.weight.full_tensor(), model.generator.bias.full_tensor()
+assert not torch.equal(weight, before), "the generator stepped"
+with torch.no_grad():
+    assert torch.equal(networks.generator(batch), nn.functional.linear(batch, weight, bias)), "stale parameters"
+print("the next forward uses the stepped parameters")
+dist.destroy_process_group()
+"""
+
+
+def test_a_task_step_under_fsdp2_computes_with_the_parameters_it_just_stepped(default_project, tmp_path):
+    script = tmp_path / "stale.py"
+    script.write_text(STALE_AFTER_NO_GRAD)
+    result = run([sys.executable, str(script)], cwd=default_project, PYTHONPATH=str(default_project),
+                 OMP_NUM_THREADS="1", PORT=str(free_port()))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "the next forward uses the stepped parameters" in result.stdout
 
 
 @pytest.mark.slow
