@@ -349,6 +349,7 @@ def training_step(step: TaskStep, batches: list) -> torch.Tensor:
 ]}
 
 TEACHER = {"PACKAGE/task.py": [
+    ("from .spec import Task\n", "from .spec import Task, leave_out_of_checkpoints\n"),
     ('''    num_classes: int = option(10, "outputs of the model's head (cifar10 has 10 classes)", fixed=True)
 ''', '''    num_classes: int = option(10, "outputs of the model's head (cifar10 has 10 classes)", fixed=True)
     teacher: str = option("", "for --model distilled: the teacher's weights, a small_cnn's exported .pt (none: a "
@@ -356,7 +357,7 @@ TEACHER = {"PACKAGE/task.py": [
 '''),
     (BEFORE_SMALL_CNN, '''class Distilled(nn.Module):
     \"\"\"A small student that learns from the labels and from a frozen teacher's outputs. The teacher is built again
-    each run from its weights file, so checkpoints leave it out (TASK's not_saved).\"\"\"
+    each run from its weights file, so checkpoints leave it out.\"\"\"
 
     def __init__(self, student: nn.Module, teacher: nn.Module):
         super().__init__()
@@ -377,21 +378,24 @@ def distilled(options: TrainOptions, train_set: Dataset) -> nn.Module:
     teacher = small_cnn(options, train_set)
     if options.task.teacher:
         teacher.load_state_dict(torch.load(options.task.teacher, weights_only=True))
-    return Distilled(small_cnn(options, train_set, width=8), teacher)
+    return leave_out_of_checkpoints(Distilled(small_cnn(options, train_set, width=8), teacher), "teacher")
 
 
 ''' + BEFORE_SMALL_CNN),
-    ("    outputs = model(inputs).float()\n", "    outputs = model(inputs)[0].float()  # the student's\n"),
+    ("    outputs = model(inputs).float()\n", "    outputs = model(inputs)\n"
+     "    outputs = (outputs[0] if isinstance(outputs, tuple) else outputs).float()  # distilled: the student's\n"),
     ('''    return outputs_and_loss(model, batch)[1]
 ''', '''    images, labels = batch
-    student, teacher = (outputs.float() for outputs in model(images))
+    outputs = model(images)
+    if not isinstance(outputs, tuple):  # a model without a teacher: small_cnn, trained to be one
+        return F.cross_entropy(outputs.float(), labels)
+    student, teacher = (output.float() for output in outputs)
     imitation = F.kl_div(F.log_softmax(student / 2, dim=1), F.log_softmax(teacher / 2, dim=1), log_target=True,
                          reduction="batchmean") * 4  # at temperature 2
     return 0.5 * F.cross_entropy(student, labels) + 0.5 * imitation
 '''),
     ('    models={"small_cnn": small_cnn},\n', '    models={"small_cnn": small_cnn, "distilled": distilled},\n'),
     ("    compute_loss=compute_loss,\n", "    compute_loss=compute_loss,\n"
-     "    not_saved=(\"teacher\",),  # frozen, and built again from --teacher each run\n"
      "    smoke_test_learning=(30, 0.85),  # half the loss imitates the teacher, a random one in tests/: it falls less\n"),
     (IMAGE_SMOKE_ARGS, IMAGE_SMOKE_ARGS.replace('"small_cnn"', '"distilled"')),
 ]}

@@ -101,9 +101,6 @@ class Task:
     # and optimizers and keeps what train.py's own step does (accumulation, mixed precision, clipping). It
     # returns the loss to log. The model's top-level modules are then wrapped (DDP, FSDP2) one by one.
     training_step: Callable[[Any, list], torch.Tensor] | None = None
-    # Modules of the model (by name, e.g. "teacher") that checkpoints and exports leave out: frozen ones that the
-    # model builder makes again each run, from their own weights file.
-    not_saved: tuple[str, ...] = ()
     # What tests/ ask of the tiny run: (steps, ratio): after this many steps the mean loss of the last five is
     # below ratio x that of the first five. None: the loss need not fall (an adversarial pair's need not).
     smoke_test_learning: tuple[int, float] | None = (30, 0.7)
@@ -142,8 +139,7 @@ class Task:
 
     def build_model(self, options: TrainOptions, train_set: Dataset | None) -> nn.Module:
         model = self.model_builder(options.task.model)(options, train_set)
-        leave_out_of_checkpoints(model, self.not_saved)
-        log.info("%s", describe_parameters(model, self.not_saved))
+        log.info("%s", describe_parameters(model))
         return model
 
     def model_builder(self, name: str) -> ModelBuilder | None:
@@ -171,23 +167,28 @@ def takes_a_third_argument(function: Callable) -> bool:
         len(positional) >= 3 and (positional[2].default is inspect.Parameter.empty or positional[2].name == "step"))
 
 
-def leave_out_of_checkpoints(model: nn.Module, names: tuple[str, ...]) -> None:
-    """Task(not_saved=...): the named modules' parameters and buffers are left out of the model's state_dict
-    (checkpoints, exports) and not expected by its load_state_dict. Only frozen modules: a trained one would be
-    rebuilt untrained on every resume."""
+def leave_out_of_checkpoints(model: nn.Module, *names: str) -> nn.Module:
+    """For a model builder: the named modules' parameters and buffers are left out of the model's state_dict
+    (checkpoints, exports) and not expected by its load_state_dict; returns the model. Only frozen modules, which
+    the builder makes again each run (a teacher from its weights file): a trained one would be rebuilt untrained
+    on every resume.
+
+        return leave_out_of_checkpoints(Distilled(student, teacher), "teacher")
+    """
     modules = dict(model.named_modules())
     for name in names:
         if name not in modules or not name:
             top = ", ".join(child for child, _ in model.named_children())
-            raise UsageError(f"Task(not_saved=...) names {name!r}, which the model has no module of; its "
+            raise UsageError(f"leave_out_of_checkpoints(model, {name!r}): the model has no module {name!r}; its "
                              f"top-level modules: {top}")
         trained = [parameter for parameter, value in modules[name].named_parameters() if value.requires_grad]
         if trained:
-            raise UsageError(f"Task(not_saved=...) names {name!r}, whose parameter {trained[0]!r} is trained "
+            raise UsageError(f"leave_out_of_checkpoints(model, {name!r}): its parameter {trained[0]!r} is trained "
                              f"(requires_grad): resumed, it would start over; freeze it ({name}.requires_grad_(False) "
                              "in the model builder) or save it")
     if not names:
-        return
+        return model
+    model.left_out_of_checkpoints = (*getattr(model, "left_out_of_checkpoints", ()), *names)  # for the start-up line
     prefixes = tuple(f"{name}." for name in names)
 
     def drop(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
@@ -202,9 +203,10 @@ def leave_out_of_checkpoints(model: nn.Module, names: tuple[str, ...]) -> None:
     # (register_state_dict_post_hook is the public name of the first since torch 2.5.)
     getattr(model, "register_state_dict_post_hook", model._register_state_dict_hook)(drop)
     model.register_load_state_dict_post_hook(forgive)
+    return model
 
 
-def describe_parameters(model: nn.Module, not_saved: tuple[str, ...]) -> str:
+def describe_parameters(model: nn.Module) -> str:
     """The start-up line on what is trained, what is frozen and what checkpoints leave out."""
     def millions(parameters) -> str:
         return f"{sum(parameter.numel() for parameter in parameters) / 1e6:.2f} M"
@@ -215,6 +217,7 @@ def describe_parameters(model: nn.Module, not_saved: tuple[str, ...]) -> str:
     line = f"model: {millions(parameters)} parameters, {millions(p for p in parameters if p.requires_grad)} trained"
     if frozen:
         line += f"; frozen: {', '.join(frozen[:8])}{', ...' if len(frozen) > 8 else ''}"
+    not_saved = getattr(model, "left_out_of_checkpoints", ())
     if not_saved:
         line += f"; not saved (the model builder makes them each run): {', '.join(not_saved)}"
     return line
