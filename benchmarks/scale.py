@@ -31,6 +31,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import sys
 import threading
 import time
@@ -298,6 +299,7 @@ def main() -> None:
           "log(cost) over log(N); ~N: extrapolated along it.")
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     sys.stdout.flush()
+    shutil.rmtree(project.parent, ignore_errors=True)  # os._exit runs no atexit handler
     os._exit(0)  # gloo's threads of the groups made here need not be joined
 
 
