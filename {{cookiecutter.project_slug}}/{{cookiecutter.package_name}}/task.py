@@ -1,11 +1,10 @@
-{%- if cookiecutter.task == "image_classification" -%}
 """What is trained: the task's options, datasets, model, optimizer, loss and evaluation metrics.
 
 This is the one file to edit to train something else; train.py, checkpoints, FSDP2, resuming and logging
 work unchanged. TASK, at the end, is everything the package calls (spec.py's Task lists every hook, with the
 defaults of those you leave out): a dataset builder named in its `datasets` is accepted by --data, a model
 builder in `models` by --model. A batch is whatever `collate` makes of a list of samples (by default torch's
-default_collate: here a tuple (images, labels)); train.py calls
+default_collate: here a tuple {% if cookiecutter.task == "image_classification" %}(images, labels){% else %}(tokens, next tokens){% endif %}); train.py calls
 
     loss = compute_loss(model, batch)
 
@@ -18,8 +17,16 @@ replica starts equal); then each rank's CPU and CUDA generators get a seed of th
 loss, or dropout, draws differently on each rank, as for different samples of one batch. Checkpoints hold each
 rank's generators: a resumed run draws the same numbers it would have. A draw every rank must make alike
 (which blocks LayerDrop skips) takes a torch.Generator of its own, seeded from options.seed and step.number.
+{%- if cookiecutter.task == "language_model" %}
+
+Here: a decoder-only transformer (GPT) learns to predict the next token. Text is read as bytes (a vocabulary
+of 256, nothing to download); for large corpora, tokenize once into nanoGPT's format, uint16 token ids in
+--data-dir/train.bin and val.bin, and train with --data tokens; or stream the raw text of jsonl, text or
+parquet shards with --data stream --data-files 'corpus/*.jsonl', tokenized as it is read.
+{%- endif %}
 """
 
+{% if cookiecutter.task == "image_classification" -%}
 from __future__ import annotations
 
 import functools
@@ -69,32 +76,6 @@ class TaskOptions:
     num_classes: int = option(10, "outputs of the model's head (cifar10 has 10 classes)", fixed=True)
 
 {%- else -%}
-"""What is trained: the task's options, datasets, model, optimizer, loss and evaluation metrics.
-
-This is the one file to edit to train something else; train.py, checkpoints, FSDP2, resuming and logging
-work unchanged. TASK, at the end, is everything the package calls (spec.py's Task lists every hook, with the
-defaults of those you leave out): a dataset builder named in its `datasets` is accepted by --data, a model
-builder in `models` by --model. A batch is whatever `collate` makes of a list of samples (by default torch's
-default_collate: here a tuple (tokens, next tokens)); train.py calls
-
-    loss = compute_loss(model, batch)
-
-and evaluation adds up evaluation_sums(model, batch) over the held-out split, then calls summarize. (A task
-that steps its optimizers itself, two networks trained in turn, gives TASK a training_step instead of
-compute_loss: see optim.py's TaskStep.)
-
-Random numbers: torch's generators start from --seed, the same on every rank while the model is built (every
-replica starts equal); then each rank's CPU and CUDA generators get a seed of their own, so torch.randn in a
-loss, or dropout, draws differently on each rank, as for different samples of one batch. Checkpoints hold each
-rank's generators: a resumed run draws the same numbers it would have. A draw every rank must make alike
-(which blocks LayerDrop skips) takes a torch.Generator of its own, seeded from options.seed and step.number.
-
-Here: a decoder-only transformer (GPT) learns to predict the next token. Text is read as bytes (a vocabulary
-of 256, nothing to download); for large corpora, tokenize once into nanoGPT's format, uint16 token ids in
---data-dir/train.bin and val.bin, and train with --data tokens; or stream the raw text of jsonl, text or
-parquet shards with --data stream --data-files 'corpus/*.jsonl', tokenized as it is read.
-"""
-
 from __future__ import annotations
 
 import functools
