@@ -18,6 +18,7 @@ import torch
 from .collectives import all_reduce, world_size
 from .distributed import DistEnv
 from .options import TrainOptions
+from .parallel import whole
 from .trackers import TRACKERS, Tracker
 
 if TYPE_CHECKING:  # checkpoint/ stands on this module's neighbours, not on it
@@ -180,8 +181,7 @@ class TrainingMeter:
     def end_step(self, progress: TrainingProgress, lr: float, grad_norm: torch.Tensor) -> None:
         """After every optimizer step: where training stands now, the lr the step ran with, and the gradient
         norm before clipping (the same on every rank)."""
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: DTensor
-        self.grad_norm_sum += grad_norm.detach().float()
+        self.grad_norm_sum += whole(grad_norm).detach().float()
         self.steps += 1
         self.last_step_end = time.perf_counter()
         self.progress_bar.update()

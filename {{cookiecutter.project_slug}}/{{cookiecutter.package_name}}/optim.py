@@ -17,7 +17,7 @@ import torch
 from .collectives import all_gather_objects, all_reduce
 from .errors import NonFiniteTraining, UsageError
 from .options import TrainOptions
-from .parallel import gradient_sync, is_sharded
+from .parallel import gradient_sync, is_sharded, whole
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class NonFiniteGuard:
     def allows_update(self, step: int, grad_norm: torch.Tensor) -> bool:
         """Whether this step's update may run: True if every rank's loss and the gradient norm are finite; False
         if a non-finite one is skipped (its gradients are then the caller's to zero); else NonFiniteTraining."""
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: DTensor
+        grad_norm = whole(grad_norm)
         grads_bad = ~torch.isfinite(grad_norm.detach()) if self.check_gradients else torch.zeros((), dtype=torch.bool)
         mine = torch.stack([self.loss_not_finite, grads_bad.to(self.device)]).int()
         self.loss_not_finite = torch.zeros((), dtype=torch.bool, device=self.device)
@@ -210,8 +210,7 @@ class TaskStep:
         self.amp.scaler.update()
         for optimizer in self.optimizers.values():
             optimizer.zero_grad(set_to_none=True)
-        # FSDP2's norms are DTensors: their whole value, for one norm over every optimizer.
-        norms = [getattr(norm, "full_tensor", lambda norm=norm: norm)().float() for norm in self.grad_norms]
+        norms = [whole(norm).float() for norm in self.grad_norms]  # one norm over every optimizer
         norms = torch.stack(norms) if norms else torch.zeros(1)
         return loss.detach(), torch.linalg.vector_norm(norms)
 

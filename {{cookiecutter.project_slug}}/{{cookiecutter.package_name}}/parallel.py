@@ -163,6 +163,11 @@ def is_sharded(module: nn.Module) -> bool:
     return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's whole value: FSDP2 gives some (a gradient norm) as a DTensor."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 def gradient_sync(training_model: torch.nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
     """Wrap a micro-step's forward and backward: with enabled=False, gradients accumulate locally and the
     all-reduce is skipped; the step that finally syncs all-reduces the accumulated sum once."""

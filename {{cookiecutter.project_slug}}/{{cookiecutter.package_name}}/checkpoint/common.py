@@ -176,15 +176,14 @@ def check_finite(model: torch.nn.Module, step: int) -> None:
     which a forward on a skipped NaN batch has already moved), so the newest checkpoint, and every one that
     retention keeps, holds a finite model. A collective (under FSDP2 each rank sees its own shards): one small
     all-reduce."""
-    parameters = [(name, tensor.to_local() if hasattr(tensor, "to_local") else tensor)
-                  for name, tensor in [*model.named_parameters(), *model.named_buffers()]
-                  if tensor.is_floating_point()]
-    if not parameters:
+    tensors = [(name, tensor.to_local() if hasattr(tensor, "to_local") else tensor)  # FSDP2: this rank's shard
+               for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_floating_point()]
+    if not tensors:
         return
-    finite = torch.stack([torch.isfinite(parameter.detach()).all() for _, parameter in parameters])
+    finite = torch.stack([torch.isfinite(tensor.detach()).all() for _, tensor in tensors])
     if not all_reduce((~finite).any().int().reshape(1), "max").item():
         return
-    mine = next((name for (name, _), ok in zip(parameters, finite.tolist(), strict=True) if not ok), None)
+    mine = next((name for (name, _), ok in zip(tensors, finite.tolist(), strict=True) if not ok), None)
     name = next(found for found in all_gather_objects(mine) if found is not None)
     raise NonFiniteTraining(f"step {step}: {name!r} of the model is not finite (NaN or inf); not saved, so the "
                             "checkpoints hold only finite models. Resume from the newest one with a lower --lr, or "
