@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shutil
 import statistics
 import subprocess
 import sys
@@ -96,41 +95,38 @@ def main() -> None:
     parser.add_argument("--small-mb", type=float, default=50)
     parser.add_argument("--large-mb", type=float, default=2048)
     options = parser.parse_args()
-    work = scratch_dir("ddp-bench-stream-")
-    try:
-        project = Path(cookiecutter(str(TEMPLATE_ROOT), no_input=True, output_dir=str(work),
-                                    extra_context={"task": "language_model"}))
-        small, tokens = write_jsonl(work / "small", options.small_mb), write_tokens(work / "tokens", options.small_mb)
-        steps = ["--max-steps", str(options.steps)]
-        sides = {
-            "memmap (--data tokens)": ["--data", "tokens", "--data-dir", str(tokens), "--vocab-size", "257"],
-            "stream (--data stream, jsonl)": ["--data", "stream", "--data-files", str(small / "*.jsonl"),
-                                              "--piece-mb", "1"],
-        }
-        results = {name: [] for name in sides}
-        for round_number in range(options.rounds):
-            for name, data in sides.items():  # alternated, so that drifting load falls on both
-                log = train(project, [*SIZE, *data, *steps, "--ckpt-dir", str(work / f"ckpt-{len(results[name])}-"
-                                                                                     f"{name[:6]}")], nproc=2)
-                results[name].append(steady(log, after_step=20))
-                print(f"round {round_number}: {name}: {results[name][-1][0]:.0f} tokens/s, data wait "
-                      f"{results[name][-1][1]:.0f}%", flush=True)
-        print("\n| data | tokens/s, 2 ranks: median (min-max) | data wait % |\n| --- | --- | --- |")
-        for name, rows in results.items():
-            print(f"| {name} | {spread([rate for rate, _ in rows])} | {spread([wait for _, wait in rows])} |")
-        memmap, stream = (statistics.median(rate for rate, _ in results[name]) for name in sides)
-        print(f"\nstream / memmap: {stream / memmap:.3f}")
+    work = scratch_dir("ddp-bench-stream-")  # removed at exit
+    project = Path(cookiecutter(str(TEMPLATE_ROOT), no_input=True, output_dir=str(work),
+                                extra_context={"task": "language_model"}))
+    small, tokens = write_jsonl(work / "small", options.small_mb), write_tokens(work / "tokens", options.small_mb)
+    steps = ["--max-steps", str(options.steps)]
+    sides = {
+        "memmap (--data tokens)": ["--data", "tokens", "--data-dir", str(tokens), "--vocab-size", "257"],
+        "stream (--data stream, jsonl)": ["--data", "stream", "--data-files", str(small / "*.jsonl"),
+                                          "--piece-mb", "1"],
+    }
+    results = {name: [] for name in sides}
+    for round_number in range(options.rounds):
+        for name, data in sides.items():  # alternated, so that drifting load falls on both
+            log = train(project, [*SIZE, *data, *steps, "--ckpt-dir", str(work / f"ckpt-{len(results[name])}-"
+                                                                                 f"{name[:6]}")], nproc=2)
+            results[name].append(steady(log, after_step=20))
+            print(f"round {round_number}: {name}: {results[name][-1][0]:.0f} tokens/s, data wait "
+                  f"{results[name][-1][1]:.0f}%", flush=True)
+    print("\n| data | tokens/s, 2 ranks: median (min-max) | data wait % |\n| --- | --- | --- |")
+    for name, rows in results.items():
+        print(f"| {name} | {spread([rate for rate, _ in rows])} | {spread([wait for _, wait in rows])} |")
+    memmap, stream = (statistics.median(rate for rate, _ in results[name]) for name in sides)
+    print(f"\nstream / memmap: {stream / memmap:.3f}")
 
-        large = write_jsonl(work / "large", options.large_mb)
-        print("\n| corpus | peak RSS of a training process, 1 rank, 2 workers (MiB) |\n| --- | --- |")
-        for name, folder in (("small", small), ("large", large)):
-            sizes = sum(path.stat().st_size for path in folder.glob("*.jsonl")) / 2**20
-            peaks = []
-            for run in range(options.rounds):
-                peaks.append(peak_rss_kib(project, folder, steps, work / f"ckpt-memory-{name}-{run}") / 1024)
-            print(f"| {name}: {sizes:.0f} MB, {len(list(folder.glob('*.jsonl')))} shards | {spread(peaks)} |")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    large = write_jsonl(work / "large", options.large_mb)
+    print("\n| corpus | peak RSS of a training process, 1 rank, 2 workers (MiB) |\n| --- | --- |")
+    for name, folder in (("small", small), ("large", large)):
+        sizes = sum(path.stat().st_size for path in folder.glob("*.jsonl")) / 2**20
+        peaks = []
+        for run in range(options.rounds):
+            peaks.append(peak_rss_kib(project, folder, steps, work / f"ckpt-memory-{name}-{run}") / 1024)
+        print(f"| {name}: {sizes:.0f} MB, {len(list(folder.glob('*.jsonl')))} shards | {spread(peaks)} |")
 
 
 def peak_rss_kib(project: Path, folder: Path, steps: list[str], ckpt_dir: Path) -> int:
