@@ -88,7 +88,6 @@ def main() -> None:
     project = bake_default_project()
     compare({"with the gc recipe": (project, "train.py"),
              "without the gc recipe": (project, without_gc_recipe(project))}, args.rounds, args.nproc, "train.py")
-    shutil.rmtree(project.parent, ignore_errors=True)
 
 
 if __name__ == "__main__":

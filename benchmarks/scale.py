@@ -25,13 +25,13 @@ A cost per rank with exponent about 0 is O(1); about 1 is O(N) per rank, N^2 at 
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import io
 import json
 import math
 import os
 import resource
-import shutil
 import sys
 import threading
 import time
@@ -299,7 +299,7 @@ def main() -> None:
           "log(cost) over log(N); ~N: extrapolated along it.")
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     sys.stdout.flush()
-    shutil.rmtree(project.parent, ignore_errors=True)  # os._exit runs no atexit handler
+    atexit._run_exitfuncs()  # os._exit runs none: the bake's removal (scratch_dir) among them
     os._exit(0)  # gloo's threads of the groups made here need not be joined
 
 
