@@ -4,6 +4,7 @@ ends where an uninterrupted one does, bit for bit, and no training sample is los
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -228,7 +229,9 @@ def test_bare_torchrun_recovers_from_two_kills_promptly_and_bitwise(default_proj
 
 
 def test_a_stopped_rank_is_named_and_the_job_resumes_bitwise(default_project, uninterrupted_bare, tmp_path):
-    launcher = bare_torchrun(default_project, tmp_path, "--step-timeout", "3", max_restarts=1)
+    logs = tmp_path / "torchrun-logs"  # where torchrun keeps each rank's error file, for its root cause
+    launcher = bare_torchrun(default_project, tmp_path, "--step-timeout", "3", max_restarts=1,
+                             rendezvous=("--standalone", f"--log-dir={logs}"))
     wait_for(tmp_path / "step-8.pt", launcher)
     stopped = worker_pids(launcher)[-1]  # the second worker torchrun started: local rank 1, rank 1
     os.kill(stopped, signal.SIGSTOP)  # alive, holding its sockets open, making no progress
@@ -236,8 +239,14 @@ def test_a_stopped_rank_is_named_and_the_job_resumes_bitwise(default_project, un
     assert launcher.returncode == 0, output
     assert "[rank 0] no progress for 3 s in training step" in output and "waiting for other ranks" in output
     assert "HANG: rank(s) 1 stopped making progress (1 sent no report: stopped, or frozen)" in output, output
-    # Ended by rank 0 on this machine at once: torchrun would SIGKILL it only after 30 s.
-    assert f"[rank 0] rank 1 (process {stopped} on this machine) sent no report: ended with SIGKILL" in output
+    # Ended by rank 0 on this machine at once (torchrun would SIGKILL it only after 30 s), with an error file
+    # that makes it torchrun's root cause: an earlier failure than rank 0's, which waited for it.
+    assert (f"[rank 0] rank 1 (process {stopped} on this machine) sent no report and is stopped (state T): ended "
+            "with SIGKILL by rank 0") in output, output
+    [first_attempt] = logs.glob("*/attempt_0")
+    errors = {rank: json.loads((first_attempt / str(rank) / "error.json").read_text())["message"] for rank in (0, 1)}
+    assert errors[1]["message"].startswith("HANG: rank 1 ") and errors[0]["message"].startswith("HANG: rank(s) 1 ")
+    assert int(errors[1]["extraInfo"]["timestamp"]) < int(errors[0]["extraInfo"]["timestamp"]), errors
     assert "forcefully exiting via 9" not in output, output
     assert "restart=1" in output and "resuming from" in output
     assert_bitwise_equal(checkpoint(tmp_path, 40), checkpoint(uninterrupted_bare, 40))
@@ -335,38 +344,61 @@ def test_a_port_taken_before_rank_0_listens_costs_at_most_a_restart(default_proj
     assert (tmp_path / "step-4.pt").exists(), output
 
 
-RANK_1_HANGS_AFTER_STEP_10 = """
+RANK_1_HANGS_IN_STEP_12 = """
 import contextlib
 import os
 if os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
     import time
-    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     steps = 0
 
-    def hang_after_step_10(optimizer, args, kwargs):  # a stuck read, a deadlock: alive, off the collectives
+    def hang_in_step_12(optimizer, args, kwargs):  # a stuck read, a deadlock: alive, off the collectives
         global steps
         steps += 1
-        if steps == 10:
+        if steps == 12:
             time.sleep(3600)
 
-    register_optimizer_step_post_hook(hang_after_step_10)
+    register_optimizer_step_pre_hook(hang_in_step_12)
 """
 
 
-def test_a_rank_that_never_reaches_the_next_collective_is_named_and_the_job_resumes_bitwise(
-        default_project, uninterrupted_bare, tmp_path):
-    launcher = bare_torchrun(default_project, tmp_path / "ckpt", "--step-timeout", "3", max_restarts=1,
-                             **with_fault(tmp_path, RANK_1_HANGS_AFTER_STEP_10))
+def test_a_rank_that_never_reaches_the_next_collective_is_named_and_torchruns_root_cause(default_project, tmp_path):
+    # Rank 1 hangs inside step 12, a checkpoint step: rank 0 finishes it and waits in the save, a slow phase,
+    # silent. It is where it may be: not named, not killed (it holds the store), and not torchrun's root cause,
+    # which torchrun prints when it has no restart left. (Resuming after a hang: the stopped rank's test.)
+    launcher = bare_torchrun(default_project, tmp_path / "ckpt", "--step-timeout", "3", "--log-every", "5",
+                             max_restarts=0, **with_fault(tmp_path, RANK_1_HANGS_IN_STEP_12))  # no logging's all-reduce
     output = launcher.communicate(timeout=300)[0]
-    assert launcher.returncode == 0, output
-    assert "[rank 1] no progress for 3 s in training step (step 10); NOT waiting for other ranks" in output, output
-    assert "in hang_after_step_10" in output  # its stack says where it is stuck
-    assert "[rank 0] no progress for 3 s in training step (step 10); waiting for other ranks" in output, output
-    assert ("HANG: rank(s) 1 stopped making progress. Where each rank was: rank 0: step 10, training step, waiting "
-            "for others; rank 1: step 10, training step, not waiting") in output, output
-    assert "restart=1" in output and "resuming from" in output
-    assert_bitwise_equal(checkpoint(tmp_path / "ckpt", 40), checkpoint(uninterrupted_bare, 40))
+    assert launcher.returncode == 1, output
+    assert "[rank 1] no progress for 3 s in training step (step 12); NOT waiting for other ranks" in output, output
+    assert "in hang_in_step_12" in output  # its stack says where it is stuck
+    assert ("HANG: rank(s) 1 stopped making progress. Where each rank was: rank 0: step 12, saving a checkpoint, "
+            "a slow phase (--io-timeout), sent no report; rank 1: step 12, training step, not waiting") in output
+    assert "SIGKILL" not in output and "[rank 0] no progress" not in output, output
+    root_cause = output[output.index("Root Cause (first observed failure)"):]
+    assert "rank      : 1 (local_rank: 1)" in root_cause.split("=====")[0], root_cause
+    assert "traceback : HANG: rank(s) 1 stopped making progress" in root_cause, root_cause
+
+
+RANK_0_WORKS_ALONE_AT_STEP_5 = """
+            if progress.step == 5 and env.is_main_process:  # sample images, an upload: one rank's work
+                with watchdog.slow_phase("writing sample images"):
+                    time.sleep(20)
+"""
+
+
+def test_a_rank_working_alone_in_a_slow_phase_is_waited_for(default_project, tmp_path):
+    # 20 s alone on rank 0 while rank 1 waits in step 6's all-reduce, 7x --step-timeout and past the backstop
+    # of rank 1's watchdog (faulthandler, 2 x 3 + 10 s): rank 1 sees rank 0's slow phase in the store and waits.
+    project = shutil.copytree(default_project, tmp_path / "project")
+    train = (project / "train.py").read_text()
+    anchor = "            stop_requested = stop.agreed(watchdog.sigterm_received)"
+    (project / "train.py").write_text(train.replace("import sys\n", "import sys\nimport time\n", 1).replace(
+        anchor, RANK_0_WORKS_ALONE_AT_STEP_5.strip("\n") + "\n" + anchor))
+    result = run_job(project, tiny_run(num_workers=0, max_steps=8, step_timeout=3, ckpt_dir=tmp_path / "ckpt"))
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "no progress" not in result.stderr and (tmp_path / "ckpt" / "step-8.pt").exists(), result.stderr[-4000:]
 
 
 RANK_0_SAVES_SLOWLY = """

@@ -49,6 +49,8 @@ class DistEnv:
     store_shared_across_restarts: bool = False
     # STOP_REQUEUE_FILE: where a bug found by a retry is written, for a requeue script (train.sbatch) to read.
     stop_requeue_file: str | None = None
+    # TORCHELASTIC_ERROR_FILE: where torchrun reads a failed rank's error, for its "Root Cause" summary.
+    error_file: str | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> DistEnv:
@@ -73,6 +75,7 @@ class DistEnv:
             run_id=environ.get("TORCHELASTIC_RUN_ID", "none"), launched_by_torchrun=True,
             store_shared_across_restarts=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
             stop_requeue_file=environ.get("STOP_REQUEUE_FILE") or None,
+            error_file=environ.get("TORCHELASTIC_ERROR_FILE") or None,
         )
         env.check_consistent()
         return env

@@ -187,7 +187,7 @@ class Phase(NamedTuple):
     """What the main thread is doing: replaced whole (one assignment, atomic under the GIL), never changed."""
 
     what: str  # "training step", "saving a checkpoint", ...
-    step: int  # the optimizer step it belongs to
+    step: int  # the optimizer step it belongs to: a training step's own; for a slow phase, the last one done
     slow: bool  # a slow phase (I/O, evaluation): allowed io_timeout, not step_timeout
     since: float  # time.monotonic() at its start
 
@@ -212,10 +212,21 @@ class Watchdog:
         self._main_thread = threading.main_thread().ident
         self._nccl = dist.is_initialized() and dist.get_backend() == "nccl"
         self._store_address = store_address
-        if store_address is not None:  # where this process is, so a live rank can end it should it freeze
-            store = store_address.connect(timedelta(seconds=30))
-            store.append(processes_key(socket.gethostname()), f"{env.rank} {process_identity(os.getpid())}\n")
-            del store  # closed before DataLoader workers fork
+        # The main thread's own connection, for its slow phases; the watching thread opens others when it must.
+        self._store: dist.TCPStore | None = None
+        self._slow_depth = 0  # slow phases the main thread is in (one may hold another)
+        self._steps_done: int | None = None  # the last beat's step
+        # (the training step, when this thread last saw another rank in a slow phase while that step waited)
+        self._slow_phase_seen: tuple[Phase, float] | None = None
+        self._next_slow_phase_check = 0.0
+        if store_address is not None:
+            with recording_job_sockets():  # DataLoader workers, forked later, close their copy
+                self._store = store_address.connect(timedelta(seconds=30))
+            # Where this process is and where torchrun reads its error, so a live rank can end it (and say
+            # why) should it be stopped; and that it is in no slow phase.
+            self._store.append(processes_key(socket.gethostname()),
+                               f"{env.rank} {process_identity(os.getpid())}\t{env.error_file or ''}\n")
+            self._store.set(phase_key(env.rank), "")
         # The C-level handler writes the signal number here even while the main thread is blocked in C++.
         self._wakeup_read, wakeup_write = os.pipe()
         os.set_blocking(wakeup_write, False)
@@ -252,22 +263,48 @@ class Watchdog:
         if self._phase.slow != slow:
             self._bound_collectives(slow=slow)
         self._phase = Phase(self.profiling or "training step", step + 1, slow, now)
+        self._steps_done = step
 
     @contextlib.contextmanager
     def slow_phase(self, what: str) -> Iterator[None]:
         """Checkpoint I/O, evaluation: allowed `io_timeout`, not `step_timeout`. Afterwards the phase it
         interrupted continues with its allowance: a training step, or start-up (whose first step, with its
-        compilation and autotuning, is still a slow phase after the evaluation check before it)."""
+        compilation and autotuning, is still a slow phase after the evaluation check before it).
+
+        Work one rank does alone (sample images, an upload) goes in one too, on that rank: the others wait for it
+        in their next collective, see its phase in the store and wait with it. On NCCL, whose collectives time
+        out by themselves (_bound_collectives), every rank enters the phase and waits in a barrier inside it."""
         interrupted = self._phase
         self._bound_collectives(slow=True)
-        self._phase = Phase(what, interrupted.step, True, time.monotonic())
+        done = interrupted.step if interrupted.slow or self._steps_done is None else self._steps_done
+        self._phase = Phase(what, done, True, time.monotonic())
         self._arm_backstop(self._phase)
+        self._publish_slow_phase(1, self._phase)
         try:
             yield
         finally:
+            self._publish_slow_phase(-1, interrupted)
             self._bound_collectives(slow=interrupted.slow)
             self._phase = interrupted._replace(since=time.monotonic())
             self._arm_backstop(self._phase)
+
+    def _publish_slow_phase(self, change: int, phase: Phase) -> None:
+        """Tell the other ranks that this one entered a slow phase (change 1) or left one (-1), for the phase it
+        is in afterwards: a rank whose training step waits for this one meanwhile is not stuck
+        (_others_in_a_slow_phase), and a hang report names what this rank was doing though it sent no report.
+        Two store requests on entering and two on leaving, about a millisecond; none while training steps run."""
+        self._slow_depth += change
+        if self._store is None:
+            return
+        try:
+            if change > 0 and self._slow_depth == 1:
+                self._store.add(SLOW_PHASES, 1)
+            described = {"phase": phase.what, "step": phase.step}
+            self._store.set(phase_key(self.env.rank), json.dumps(described) if self._slow_depth else "")
+            if change < 0 and self._slow_depth == 0:
+                self._store.add(SLOW_PHASES, -1)
+        except dist.DistError:  # the store's host has gone: this job ends anyway, by its own error
+            pass
 
     def _bound_collectives(self, slow: bool) -> None:
         """On NCCL, each collective's own timeout is its phase's allowance, so that NCCL's watchdog, in C++,
@@ -292,7 +329,7 @@ class Watchdog:
                     self._sigterm_seen_at = self._sigterm_seen_at or time.monotonic()
             phase, now = self._phase, time.monotonic()
             allowed = (self.io_timeout if phase.slow else self.step_timeout) + (NCCL_FIRST if self._nccl else 0)
-            if now - phase.since > allowed:
+            if now - phase.since > allowed and not self._others_in_a_slow_phase(phase, now):
                 self._end_after_hang(phase.what, phase.step, now - phase.since)
             # In a preemption every rank soon reaches the next step and stops there together; a rank still
             # inside the same training step a few step times after SIGTERM waits for a peer that has gone.
@@ -305,6 +342,32 @@ class Watchdog:
                           "gone; exiting now so torchrun can restart the group\n%s", self.env.rank, phase.step,
                           now - phase.since, self._main_thread_stack())
                 os._exit(EXIT_CODE_AFTER_SIGTERM)
+
+    def _others_in_a_slow_phase(self, phase: Phase, now: float) -> bool:
+        """Whether this training step, past its time, waits for a rank in a slow phase (saving, evaluating, work
+        it does alone): then it is not stuck, and waits with that phase's allowance (--io-timeout), asking the
+        store again every --step-timeout, and for at least a --step-timeout after the last slow phase ended
+        (the step it waits for still has to arrive). A rank whose own stack is in its own code is never excused: it
+        is the one the others wait for. Once a hang report has begun, nobody waits any longer."""
+        if phase.slow or self._store_address is None or self._waiting_for_others() is False:
+            return False
+        seen = self._slow_phase_seen[1] if self._slow_phase_seen and self._slow_phase_seen[0] is phase else None
+        if now < self._next_slow_phase_check:
+            return seen is not None and now - seen <= 2 * self.step_timeout
+        self._next_slow_phase_check = now + max(self.step_timeout, 1.0)
+        try:
+            store = self._store_address.connect(timedelta(seconds=5))
+            slow, reporting = int(store.add(SLOW_PHASES, 0)), store.check([f"{HANG_REPORTS}count"])
+        except dist.DistError:
+            return False
+        if reporting or now - phase.since > self.io_timeout + self.step_timeout:
+            return False
+        if slow > 0:
+            if seen is None:  # its backstop gets the slow phase's allowance
+                self._arm_backstop(phase._replace(slow=True, since=now))
+            self._slow_phase_seen = (phase, now)
+            return True
+        return seen is not None and now - seen <= 2 * self.step_timeout
 
     def _main_thread_stack(self) -> str:
         frame = sys._current_frames().get(self._main_thread)
@@ -322,17 +385,24 @@ class Watchdog:
     def _end_after_hang(self, what: str, step: int, stalled: float) -> None:
         REPORTING_A_HANG.set()
         waiting = self._waiting_for_others()
+        stopped_since = time.time() - stalled
         report = {"rank": self.env.rank, "step": step, "phase": what, "stalled_s": round(stalled),
-                  "waiting_for_others": waiting}
-        sys.stderr.write(
-            f"[rank {self.env.rank}] no progress for {stalled:.0f} s in {what} (step {step}); "
-            f"{WAITING_WORDS[waiting]}; its stack:\n{self._main_thread_stack()}{self._write_nccl_flight_record()}")
+                  "waiting_for_others": waiting, "stopped_since": stopped_since}
+        line = (f"[rank {self.env.rank}] no progress for {stalled:.0f} s in {what} (step {step}); "
+                f"{WAITING_WORDS[waiting]}")
+        stack = self._main_thread_stack()
+        sys.stderr.write(f"{line}; its stack:\n{stack}{self._write_nccl_flight_record()}")
         sys.stderr.flush()
+        summary = None
         try:
-            self._share_and_summarize(report)
+            summary = self._share_and_summarize(report)
         except Exception as error:  # noqa: BLE001 - the store lives on rank 0, which may be the one that stopped
             sys.stderr.write(f"[rank {self.env.rank}] could not share this report ({type(error).__name__}); "
                              "rank 0, which holds the job's store, may be the rank that stopped\n")
+        # torchrun names as root cause the failure with the earliest time: a rank whose own code stopped failed
+        # when it stopped; one waiting for it, when it gave up.
+        write_error_file(self.env.error_file, summary or line, stack,
+                         stopped_since if waiting is False else time.time())
         os._exit(EXIT_CODE_AFTER_HANG)
 
     def _write_nccl_flight_record(self) -> str:
@@ -351,9 +421,10 @@ class Watchdog:
         except Exception as error:  # noqa: BLE001 - the stack above is the report; this is extra
             return f"(no NCCL flight record: {type(error).__name__}: {error})\n"
 
-    def _share_and_summarize(self, report: dict) -> None:
+    def _share_and_summarize(self, report: dict) -> str | None:
+        """The summary, if this rank printed it."""
         if self._store_address is None:
-            return
+            return None
         # The other live ranks time out within one step of this one: a rank that finished one more step than
         # the stopped rank (which hung after its last collective) beat a step later. A fixed window shorter
         # than a step would count that healthy rank silent, name it, and SIGKILL it.
@@ -364,9 +435,27 @@ class Watchdog:
         if summary is not None:
             sys.stderr.write(summary + "\n")
             sys.stderr.flush()
+        return summary
+
+
+def write_error_file(path: str | None, message: str, stack: str, failed_at: float) -> None:
+    """The error file torchrun reads for its failure summary (TORCHELASTIC_ERROR_FILE), in the format of
+    torch.distributed.elastic's own @record, with the time this rank failed: the earliest is the root cause."""
+    if not path:
+        return
+    with contextlib.suppress(OSError):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps({"message": {"message": message, "extraInfo": {
+            "py_callstack": f"{message}\n{stack}", "timestamp": str(int(failed_at))}}}))
 
 
 HANG_REPORTS = "ddp-template/hang-report/"
+# How many ranks are in a slow phase now, and what each is doing there ("" when it is in none).
+SLOW_PHASES = f"{HANG_REPORTS}slow-phases"
+
+
+def phase_key(rank: int) -> str:
+    return f"{HANG_REPORTS}phase/{rank}"
 
 
 def processes_key(host: str) -> str:
@@ -384,47 +473,77 @@ def share_hang_report(store: dist.Store, rank: int, world_size: int, report: dic
     and those of them that reported). One rank, the first to report, reads every report, in one multi_get:
     rank 0's store answers each request in turn, and N ranks each checking N keys was 2N^2 requests, two
     million at a thousand ranks, while every rank waited; once it has read them it says so, and rank 0, whose
-    process holds the store, waits for that before it ends. `host`: this machine's name."""
+    process holds the store, and every other reporter wait for that before they end a stopped rank or
+    themselves: a rank is ended only once the summary is read, and never for being silent alone (a rank in a
+    slow phase waits silently, and says so through its phase key). `host`: this machine's name."""
     store.set(f"{HANG_REPORTS}{rank}", json.dumps(report))
     store.append(f"{HANG_REPORTS}reporters", f"{rank},")
     store.append(f"{HANG_REPORTS}reporters/{host}", f"{rank},")
     first = store.add(f"{HANG_REPORTS}count", 1) == 1
     time.sleep(window)
-    end_frozen_ranks_on_this_machine(store, rank, host, reported=ranks_in(store.get(f"{HANG_REPORTS}reporters/{host}")))
-    if not first:
-        if rank == 0:  # the store lives in this process: exiting now would lose the first reporter's summary,
-            # whose window (3 s + its own longest step) may end after this one's
-            with contextlib.suppress(Exception):
-                store.wait([f"{HANG_REPORTS}read"], timedelta(seconds=window + 5))
-        return None
-    reporters = sorted(ranks_in(store.get(f"{HANG_REPORTS}reporters")))
-    reports = dict(zip(reporters, (json.loads(value) for value in
-                                   store.multi_get([f"{HANG_REPORTS}{reporter}" for reporter in reporters])),
-                       strict=True))
-    store.set(f"{HANG_REPORTS}read", "1")
-    silent = sorted(set(range(world_size)) - set(reports))
-    return hang_summary(reports, silent, flight_records)
+    summary = None
+    if first:
+        reporters = sorted(ranks_in(store.get(f"{HANG_REPORTS}reporters")))
+        reports = dict(zip(reporters, (json.loads(value) for value in
+                                       store.multi_get([f"{HANG_REPORTS}{reporter}" for reporter in reporters])),
+                           strict=True))
+        silent = sorted(set(range(world_size)) - set(reports))
+        summary = hang_summary(reports, silent, flight_records, slow_phases_of(store, silent))
+        store.set(f"{HANG_REPORTS}read", "1")
+    else:  # the first reporter's window (3 s + its own longest step) may end after this one's
+        with contextlib.suppress(Exception):
+            store.wait([f"{HANG_REPORTS}read"], timedelta(seconds=window + 5))
+    end_stopped_ranks_on_this_machine(store, rank, host, ranks_in(store.get(f"{HANG_REPORTS}reporters/{host}")),
+                                      stopped_since=report.get("stopped_since", time.time()))
+    return summary
+
+
+def slow_phases_of(store: dist.Store, ranks: list[int]) -> dict[int, dict]:
+    """What each of these ranks (that sent no report) is doing in a slow phase, for those that are in one: one
+    request for all of them (a rank that stopped before its watchdog started has no key: asked one by one)."""
+    keys = [phase_key(rank) for rank in ranks]
+    if not keys:
+        return {}
+    values = store.multi_get(keys) if store.check(keys) else [
+        store.get(key) if store.check([key]) else b"" for key in keys]
+    return {rank: json.loads(value) for rank, value in zip(ranks, values, strict=True) if value}
 
 
 def ranks_in(listed: bytes) -> set[int]:
     return {int(rank) for rank in listed.decode().split(",") if rank}
 
 
-def end_frozen_ranks_on_this_machine(store: dist.Store, rank: int, host: str, reported: set[int]) -> None:
-    """A rank that sent no report is stopped or frozen: SIGTERM cannot move it, so torchrun would SIGKILL it
-    only after its shutdown timeout (30 s on the restart path). End it now if it runs here."""
+def end_stopped_ranks_on_this_machine(store: dist.Store, rank: int, host: str, reported: set[int],
+                                     stopped_since: float) -> None:
+    """A rank that sent no report and whose process is stopped (SIGSTOP, a debugger: state T) cannot answer
+    SIGTERM, so torchrun would SIGKILL it only after its shutdown timeout (30 s on the restart path): end it
+    now if it runs here, writing torchrun's error file for it first, so that torchrun names it, not a rank that
+    waited for it. A silent rank that runs is left alone: it may be saving, or working alone in a slow phase
+    (a frozen one, holding the GIL, is ended by its own faulthandler backstop)."""
     if not store.check([processes_key(host)]):
         return
     for line in store.get(processes_key(host)).decode().splitlines():
-        other, identity = line.split(" ", 1)
+        other, rest = line.split(" ", 1)
+        identity, _, error_file = rest.partition("\t")
         if int(other) in reported:
             continue
         pid = int(identity.split()[1])
-        if "unknown" not in identity and process_identity(pid) == identity:  # here, and not a reused pid
+        # here, not a reused pid, and stopped
+        if "unknown" not in identity and process_identity(pid) == identity and is_stopped(pid):
+            message = (f"rank {other} (process {pid} on this machine) sent no report and is stopped (state T): "
+                       f"ended with SIGKILL by rank {rank}, which is all a stopped process answers")
+            write_error_file(error_file, f"HANG: {message}", "", stopped_since)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-                sys.stderr.write(f"[rank {rank}] rank {other} (process {pid} on this machine) sent no report: "
-                                 "ended with SIGKILL, which is all a stopped process answers\n")
+                sys.stderr.write(f"[rank {rank}] {message}\n")
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped by a signal or a debugger (Linux: T or t in /proc/<pid>/stat)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 class StopAgreement:
@@ -478,17 +597,23 @@ WAITING_WORDS = {True: "waiting for other ranks", False: "NOT waiting for other 
                  None: "NCCL: its flight record says which collective it reached"}
 
 
-def hang_summary(reports: dict[int, dict], silent: list[int], flight_records: Path) -> str:
-    """One line naming the rank(s) that stopped: those that sent no report, and those whose main thread was not
-    waiting for others. On NCCL the second cannot be read from a stack, and the flight records name them. Runs
-    of ranks that were at the same place are one entry ("ranks 0-1022: ..."), so the line stays short at any
-    size."""
+def hang_summary(reports: dict[int, dict], silent: list[int], flight_records: Path,
+                 slow_phases: dict[int, dict] | None = None) -> str:
+    """One line naming the rank(s) that stopped: those that sent no report outside a slow phase, and those
+    whose main thread was not waiting for others. On NCCL the second cannot be read from a stack, and the
+    flight records name them. A silent rank in a slow phase (`slow_phases`: a save, an evaluation, work it
+    does alone, allowed --io-timeout) is where it may be, and is not named. Runs of ranks that were at the
+    same place are one entry ("ranks 0-1022: ..."), so the line stays short at any size."""
+    slow_phases = slow_phases or {}
     not_waiting = [rank for rank, seen in reports.items() if seen["waiting_for_others"] is False]
     unknown = any(seen["waiting_for_others"] is None for seen in reports.values())
+    silent, in_slow_phase = [r for r in silent if r not in slow_phases], [r for r in silent if r in slow_phases]
     stopped = sorted(silent + not_waiting)
     waiting = {True: "waiting for others", False: "not waiting", None: "unknown on NCCL"}
     places: list[tuple[str, list[int]]] = []  # (where, the ranks there), runs of consecutive ranks
-    for rank, seen in sorted(reports.items()):
+    seen_at = {**reports, **{rank: {**slow_phases[rank], "waiting_for_others": "slow"} for rank in in_slow_phase}}
+    waiting["slow"] = "a slow phase (--io-timeout), sent no report"
+    for rank, seen in sorted(seen_at.items()):
         place = f"step {seen['step']}, {seen['phase']}, {waiting[seen['waiting_for_others']]}"
         if places and places[-1][0] == place and places[-1][1][-1] == rank - 1:
             places[-1][1].append(rank)
