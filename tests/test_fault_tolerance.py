@@ -150,11 +150,17 @@ def step_lr(ckpt_dir: Path, step: int) -> tuple[int, float]:
 
 
 def test_a_resized_job_runs_the_uninterrupted_lr_at_every_sample_count(default_project, uninterrupted_bare,
-                                                                       tmp_path):
-    # The reference trains 2 ranks x 8 = 16 samples a step. One rank of 8 takes 8 a step: at equal samples
-    # seen it stands at twice the reference's step, and a schedule over steps would run ahead of it.
-    def reference(samples: int) -> tuple[int, float]:
-        return step_lr(uninterrupted_bare, samples // 16)
+                                                                       baked_module, tmp_path):
+    # The reference trains 2 ranks x 8 = 16 samples a step, 32 steps an epoch, over --epochs 10. One rank of 8
+    # takes 8 a step: at equal samples seen it stands at twice the reference's step, and a schedule over steps
+    # would run ahead of it. Every step of either takes the lr of one curve over samples, at its middle.
+    optim = baked_module("optim")
+    warmup = checkpoint(uninterrupted_bare, 8)["lr_schedule"]["warmup_samples"]
+
+    def on_the_curve(ckpt_dir: Path, step: int, per_step: int) -> None:
+        samples, lr = step_lr(ckpt_dir, step)
+        expected = 0.01 * optim.warmup_then_decay(samples - per_step / 2, warmup, 10 * 512, "cosine")
+        assert lr == pytest.approx(expected, rel=1e-12), (ckpt_dir.name, step, samples)
 
     def train(ckpt_dir: Path, max_steps: int, nproc: int) -> str:
         result = run_job(default_project, tiny_run(num_workers=0, max_steps=max_steps, ckpt_dir=ckpt_dir),
@@ -163,19 +169,22 @@ def test_a_resized_job_runs_the_uninterrupted_lr_at_every_sample_count(default_p
         assert "lr_scheduler" not in result.stderr and "get_lr()" not in result.stderr, result.stderr
         return result.stderr
 
+    for step in (4, 8, 20, 40):
+        on_the_curve(uninterrupted_bare, step, 16)
     # 1 -> 2 ranks, the direction that ran the rest of the run at lr 0: 16 steps of 8, then 2 ranks to step 24.
     grown = tmp_path / "grown"
     train(grown, 16, nproc=1)
     assert "2 ranks instead of 1: a step is now another number of samples" in train(grown, 24, nproc=2)
-    for step, samples in ((8, 64), (16, 128), (20, 192), (24, 256)):
-        assert step_lr(grown, step) == pytest.approx(reference(samples), rel=1e-12), step
+    for step, samples, per_step in ((8, 64, 8), (16, 128, 8), (20, 192, 16), (24, 256, 16)):
+        assert step_lr(grown, step)[0] == samples
+        on_the_curve(grown, step, per_step)
     # 2 -> 1: the reference's step 8 (128 samples) on one rank, 8 more steps of 8.
     shrunk = tmp_path / "shrunk"
     shrunk.mkdir()
     shutil.copy(uninterrupted_bare / "step-8.pt", shrunk)
     train(shrunk, 16, nproc=1)
-    assert step_lr(shrunk, 12)[0] == 160
-    assert step_lr(shrunk, 16) == pytest.approx(reference(192), rel=1e-12)
+    assert step_lr(shrunk, 12)[0] == 160 and step_lr(shrunk, 16)[0] == 192
+    on_the_curve(shrunk, 16, 8)
     # Each rank's CUDA generator state is saved, empty without CUDA; one rank resuming restores it (a no-op here)
     # and saves its own one entry.
     assert checkpoint(uninterrupted_bare, 8)["cuda_rng_states"].shape == (2, 0)

@@ -11,6 +11,7 @@ import importlib.util
 import io
 import json
 import re
+import shutil
 import signal
 import sys
 import tarfile
@@ -152,6 +153,35 @@ def test_a_streamed_corpus_trains_ends_each_epoch_together_and_resumes_bitwise_a
     final = checkpoint(tmp_path, 100)
     assert_bitwise_equal(final, checkpoint(reference, 100))  # model, optimizer, RNG
     assert final["stream_position"] == checkpoint(reference, 100)["stream_position"]
+
+
+@pytest.mark.slow
+def test_a_resized_stream_keeps_its_length_and_its_lr_curve(stream_project, corpus, uninterrupted, tmp_path):
+    # 2 ranks x 4 windows (8 a step) to step 50 of --max-steps 100, then 1 rank (4 a step): the run is 800
+    # windows, so it ends at step 150 where its cosine does; a step count would have ended it at step 100, at
+    # lr 0.5 x peak (and 2 -> 4 ranks would have trained its last 25 steps at lr 0).
+    reference = uninterrupted[0]
+    (tmp_path / "ckpt").mkdir()
+    shutil.copy(reference / "step-50.pt", tmp_path / "ckpt")
+    result = run_job(stream_project, stream_args(corpus, num_workers=0, max_steps=100, ckpt_dir=tmp_path / "ckpt"),
+                     via="python", nproc=1)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "it ends once 800 samples are trained, 4 a step now" in result.stderr, result.stderr[-4000:]
+    assert not (tmp_path / "ckpt" / "step-155.pt").exists()
+    [optim] = package_modules(stream_project, "optim")
+
+    def curve(samples: float) -> float:  # --lr 1e-2, --warmup-steps 2 of 8 windows, cosine over 800
+        return 1e-2 * optim.warmup_then_decay(samples, 16, 800, "cosine")
+
+    # Every step's lr is the curve's at the middle of its samples, at either size; neither end's is 0.
+    for folder, steps, per_step in ((reference, (5, 50, 100), 8), (tmp_path / "ckpt", (55, 100, 150), 4)):
+        for step in steps:
+            state = checkpoint(folder, step)
+            lr = state["optimizer"]["param_groups"][0]["lr"]
+            assert lr == pytest.approx(curve(state["samples_seen"] - per_step / 2), rel=1e-12), (folder, step)
+    assert checkpoint(tmp_path / "ckpt", 150)["samples_seen"] == 800
+    assert checkpoint(reference, 100)["optimizer"]["param_groups"][0]["lr"] > 0
+    assert checkpoint(tmp_path / "ckpt", 150)["optimizer"]["param_groups"][0]["lr"] > 0
 
 
 @pytest.mark.slow

@@ -108,6 +108,8 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     checkpointer = build_checkpointer(options, env, device, model=model, optimizer=optimizer,
                                       lr_schedule=lr_schedule, grad_scaler=amp, selection=selection, **stream)
     progress = checkpointer.resume()
+    # A stream's run is a number of samples (--max-steps steps of its first world size), which a resize keeps.
+    max_samples = lr_schedule.stream_samples  # None for a map-style set: --epochs, or --max-steps steps
     loss_step = LossStep(options, model, progress)  # what compute_loss may read: options, the plain model, the step
     profiler = StepProfiler(options, env, device, watchdog)  # --profile-steps
     profiler.before_step(progress.step + 1)
@@ -115,8 +117,9 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     if options.eval_every:  # one held-out batch now, so a bug in the evaluation path shows before training
         with watchdog.slow_phase("checking evaluation on one batch"):
             selection.check_metric(evaluate(model, eval_loader, device, amp, task, max_batches=1))
-    meter = build_meter(options, env, device, planned_steps(options, train_loader.steps_per_epoch),
-                        done_steps=progress.step, unit=task.throughput_unit,
+    planned = planned_steps(options, train_loader.steps_per_epoch,
+                            lr_schedule.stream_steps(progress.step, progress.samples_seen))
+    meter = build_meter(options, env, device, planned, done_steps=progress.step, unit=task.throughput_unit,
                         flops_per_unit=task.model_flops_per_unit(model, options),
                         changed_options=checkpointer.changed_options)
     stop_requested = False
@@ -135,7 +138,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
                 with watchdog.slow_phase("saving the best checkpoint"):
                     checkpointer.save(progress, wait=True)
                 selection.write_record()
-        if progress.finished(options.epochs, options.max_steps) or selection.out_of_patience():
+        if progress.finished(options.epochs, options.max_steps, max_samples) or selection.out_of_patience():
             break
         train_loader.start_epoch(progress.epoch, progress.samples_in_epoch)  # mid-epoch: at the next unseen sample
         for micro_step, batch in enumerate(meter.timed(train_loader), start=1):
@@ -145,7 +148,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
                 step_batches.append(batch)
                 if not last_micro_batch:
                     continue
-                lr = lr_schedule.set_lr(progress.samples_seen + samples_per_step)  # this step's: where it ends
+                lr = lr_schedule.set_lr(progress.samples_seen + samples_per_step / 2)  # at the step's middle
                 loss, grad_norm = task_step.run(task.training_step, step_batches, number=progress.step + 1)
                 meter.update(loss, sum(task.units_in_batch(micro_batch) for micro_batch in step_batches))
                 step_batches = []
@@ -160,7 +163,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
                     continue
                 amp.scaler.unscale_(optimizer)  # true gradients for the norm and clipping (a no-op unless fp16)
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), options.clip_grad or math.inf)
-                lr = lr_schedule.set_lr(progress.samples_seen + samples_per_step)  # this step's: where it ends
+                lr = lr_schedule.set_lr(progress.samples_seen + samples_per_step / 2)  # at the step's middle
                 if nonfinite.allows_update(progress.step + 1, grad_norm):  # else skipped on every rank, or a stop
                     amp.scaler.step(optimizer)  # fp16: skips a step whose gradients overflowed
                 amp.scaler.update()
@@ -175,7 +178,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
                 with watchdog.slow_phase("saving a checkpoint"):
                     checkpointer.save(progress)
             stop_requested = stop.agreed(watchdog.sigterm_received)  # SIGTERM reached some rank: same step on all
-            if stop_requested or progress.finished(options.epochs, options.max_steps):
+            if stop_requested or progress.finished(options.epochs, options.max_steps, max_samples):
                 break
         else:  # the epoch ran to its end
             progress.next_epoch(options.eval_every)  # its evaluation is due, every --eval-every epochs

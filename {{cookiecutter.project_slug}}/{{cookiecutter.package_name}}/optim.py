@@ -264,7 +264,7 @@ class MixedPrecision:
             self.scaler.load_state_dict(state)
 
 
-def warmup_then_decay(samples_seen: int, warmup_samples: int, total_samples: int, decay: str) -> float:
+def warmup_then_decay(samples_seen: float, warmup_samples: int, total_samples: int, decay: str) -> float:
     """lr multiplier once training has seen `samples_seen` samples: linear warmup to 1, then cosine to 0 at
     `total_samples` (or constant 1)."""
     if samples_seen < warmup_samples:
@@ -275,11 +275,11 @@ def warmup_then_decay(samples_seen: int, warmup_samples: int, total_samples: int
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def planned_steps(options: TrainOptions, steps_per_epoch: int | None) -> int:
+def planned_steps(options: TrainOptions, steps_per_epoch: int | None, stream_steps: int | None = None) -> int:
     """Optimizer steps this run will take at this world size: --epochs worth, or --max-steps if that comes first
-    (a streamed training set's epoch has no length known before it is read: --max-steps)."""
+    (a streamed training set's epoch has no length known before it is read: `stream_steps`, the schedule's)."""
     if steps_per_epoch is None:
-        return options.max_steps
+        return stream_steps or options.max_steps
     total_steps = options.epochs * steps_per_epoch
     return total_steps if options.max_steps is None else min(total_steps, options.max_steps)
 
@@ -294,9 +294,13 @@ class LearningRateSchedule:
     that step is done, the same at any world size. The decay spans --epochs; --max-steps only stops early, so
     a run stopped by it and restarted with a larger one continues the same curve.
 
-    A streamed training set's epoch has no length known before it is read: there the decay spans --max-steps
-    steps of the world size the run started with, saved as samples (so a resize changes nothing) and planned
-    anew only when --max-steps itself changes.
+    A streamed training set's epoch has no length known before it is read: there the decay, and the run
+    (stream_samples), span --max-steps steps of the world size the run started with, saved as samples: a resize
+    changes the number of steps left, not where the run ends or the lr at any sample count. A changed
+    --max-steps re-plans both, still in steps of the first world size.
+
+    Each step takes the lr at the middle of its samples: neither the first update (warmup starts at 0) nor the
+    last (cosine ends at 0) is wasted at lr 0.
 
     Saved in checkpoints: the warmup's length in samples. --warmup-steps counts steps of the world size the run
     started with; a resume on another one keeps the warmup it started, unless --warmup-steps itself changed.
@@ -308,15 +312,27 @@ class LearningRateSchedule:
         self.peaks = [group["lr"] for group in optimizer.param_groups]
         self.decay = options.lr_schedule
         self.spans_steps = None if samples_per_epoch is not None else options.max_steps
+        self.samples_per_step = samples_per_step
         self.total_samples = (options.epochs * samples_per_epoch if samples_per_epoch is not None
                               else options.max_steps * samples_per_step)
         self.warmup_steps = options.warmup_steps
         self.warmup_samples = (self.total_samples // 20 if options.warmup_steps is None
                                else options.warmup_steps * samples_per_step)
 
-    def set_lr(self, samples_seen: int) -> float:
-        """Set every param group's lr for the step after which training has seen `samples_seen` samples;
-        returns the first group's (the one logged)."""
+    @property
+    def stream_samples(self) -> int | None:
+        """A streamed run's length in samples; None where the decay spans --epochs."""
+        return self.total_samples if self.spans_steps is not None else None
+
+    def stream_steps(self, steps_done: int, samples_seen: int) -> int | None:
+        """The step a streamed run ends at, at this world size; None where the decay spans --epochs."""
+        if self.spans_steps is None:
+            return None
+        return steps_done + max(math.ceil((self.total_samples - samples_seen) / self.samples_per_step), 0)
+
+    def set_lr(self, samples_seen: float) -> float:
+        """Set every param group's lr to the schedule's at `samples_seen` samples (a step's middle); returns the
+        first group's (the one logged)."""
         multiplier = warmup_then_decay(samples_seen, self.warmup_samples, self.total_samples, self.decay)
         for group, peak in zip(self.optimizer.param_groups, self.peaks, strict=True):
             group["lr"] = peak * multiplier
@@ -331,5 +347,10 @@ class LearningRateSchedule:
     def load_state_dict(self, state: dict) -> None:
         if state.get("warmup_steps", "not saved") == self.warmup_steps:
             self.warmup_samples = state["warmup_samples"]
-        if self.spans_steps is not None and state.get("spans_steps") == self.spans_steps:
-            self.total_samples = state["total_samples"]
+        if self.spans_steps is not None and "spans_steps" in state:
+            first_step = state["total_samples"] // state["spans_steps"]  # samples a step when the run started
+            self.total_samples = self.spans_steps * first_step
+            if first_step != self.samples_per_step:
+                log.info("this stream's run is --max-steps %d steps of %d samples (its first world size's): it "
+                         "ends once %d samples are trained, %d a step now", self.spans_steps, first_step,
+                         self.total_samples, self.samples_per_step)

@@ -48,7 +48,11 @@ class TrainingProgress:
         self.samples_in_epoch += samples_per_step
         self.samples_seen += samples_per_step
 
-    def finished(self, epochs: int, max_steps: int | None) -> bool:
+    def finished(self, epochs: int, max_steps: int | None, max_samples: int | None = None) -> bool:
+        """After --epochs, or --max-steps steps; a streamed run after `max_samples`, its --max-steps counted at
+        the world size it started with, so that a resize ends it where its lr schedule ends."""
+        if max_samples is not None:
+            return self.epoch >= epochs or self.samples_seen >= max_samples
         return self.epoch >= epochs or (max_steps is not None and self.step >= max_steps)
 
     def next_epoch(self, eval_every: int) -> None:
@@ -287,8 +291,9 @@ class Checkpointer:
                  saved["world_size"])
         if saved["world_size"] != self.env.world_size:
             log.info("%d ranks instead of %d: a step is now another number of samples; the lr schedule follows "
-                     "samples seen and continues unchanged, --max-steps still counts steps", self.env.world_size,
-                     saved["world_size"])
+                     "samples seen and continues unchanged, %s", self.env.world_size, saved["world_size"],
+                     "and so does the run's length: a stream's --max-steps counts steps of its first world size"
+                     if "stream_position" in self.components else "--max-steps still counts steps")
         return progress
 
     def record_config(self) -> None:
