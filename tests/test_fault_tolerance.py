@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -120,6 +121,32 @@ def test_a_second_job_on_a_live_jobs_folder_is_refused_and_a_killed_job_leaves_n
     output = again.communicate(timeout=300)[0]
     assert again.returncode == 0 and "resuming from" in output, output[-3000:]
     assert_bitwise_equal(checkpoint(tmp_path, 40), checkpoint(uninterrupted_bare, 40))
+
+
+HOLD_THE_LEASE_AS_RUN_4242 = """
+import fcntl, json, sys, time
+with open(sys.argv[1], "a+") as lease:
+    fcntl.flock(lease, fcntl.LOCK_EX)
+    lease.write(json.dumps({"run_id": "4242", "host": "node-that-failed", "pid": 1}))
+    lease.flush()
+    print("held", flush=True)
+    time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_a_requeued_job_waits_for_the_lease_its_failed_machine_still_holds(default_project, tmp_path):
+    # A Slurm requeue keeps the run id (RDZV_ID=$SLURM_JOB_ID) and starts at restart count 0, while NFS still
+    # holds the lock of the failed machine's process for ~90 s: the same run id is never "another job".
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_THE_LEASE_AS_RUN_4242, str(tmp_path / ".lease"), "12"],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"
+    result = run_job(default_project, tiny_run(num_workers=0, max_steps=4, ckpt_dir=tmp_path), via="run_node.sh",
+                     nproc=1, NNODES="1", RDZV_ENDPOINT=f"127.0.0.1:{free_port()}", RDZV_ID="4242")
+    holder.wait()
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "is locked by this job's own earlier process (run_id 4242, host node-that-failed, pid 1)" in result.stderr
+    assert "the lock was released after" in result.stderr and "another job" not in result.stderr, result.stderr
+    assert (tmp_path / "step-4.pt").exists()
 
 
 def logged_indices(sample_log: Path) -> list[int]:

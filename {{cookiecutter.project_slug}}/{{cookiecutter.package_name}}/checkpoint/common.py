@@ -131,21 +131,35 @@ def hold_checkpoint_folder(ckpt_dir: Path, env: DistEnv, device: torch.device, h
     it stops here instead, with one line naming the holder. The kernel releases the lock when the holding
     process ends, however it ends, so a killed job never blocks the next one. A collective: call on every rank.
 
+    A lease held under this job's own run id is this job's earlier process: a restart's predecessor still being
+    ended, or, after a Slurm requeue (same run id, restart count 0), a process on a machine that failed, whose
+    lock NFSv4 keeps until the client's lease expires (90 s by default; Lustre until eviction). It is waited
+    for, SAME_RUN_PATIENCE at most, then the attempt fails as a fault of the machine (retried by torchrun,
+    requeued by the scheduler), never as a usage error, which would end the job for good.
+
     Returns the open lease (keep it open) on a holder, None elsewhere."""
     lease, problem = None, None
     if holder:
         lease, problem = take_lease(ckpt_dir / LEASE_FILE, env)
     problem = from_first_rank_with(problem, device)  # every rank stops, or none
+    if problem and problem[1]:
+        raise LeaseStillHeld(problem[0])
     if problem:
-        raise UsageError(problem)
+        raise UsageError(problem[0])
     return lease
 
 
+SAME_RUN_PATIENCE = 150.0  # seconds: past NFSv4's default lease of 90 s
+
+
+class LeaseStillHeld(OSError):
+    """This job's own earlier process still holds --ckpt-dir's lease: a fault, retried, never a usage error."""
+
+
 def take_lease(path: Path, env: DistEnv):
-    """(the open lease, None) or (None, why it is held by another job)."""
+    """(the open lease, None) or (None, (why it is held, whether by this job's own run id: a fault))."""
     lease = open(path, "a+")  # noqa: SIM115 - held open as long as this process lives
-    # A restarted attempt of this job may start while the last one's process is still being ended.
-    deadline = time.monotonic() + (30 if env.launched_by_torchrun and env.restart_count else 0)
+    started, told = time.monotonic(), False
     while True:
         try:
             fcntl.flock(lease, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -160,13 +174,26 @@ def take_lease(path: Path, env: DistEnv):
                 held = json.loads(lease.read())
             except ValueError:  # its holder is still writing it
                 held = {}
-            if held.get("run_id") == env.run_id and time.monotonic() < deadline:
+            holder = ", ".join(f"{key} {held[key]}" for key in ("run_id", "host", "pid", "since") if key in held)
+            this_run = env.launched_by_torchrun and held.get("run_id") == env.run_id
+            waited = time.monotonic() - started
+            if this_run and waited < SAME_RUN_PATIENCE:
+                if waited > 2 and not told:
+                    told = True
+                    log.warning("--ckpt-dir %s is locked by this job's own earlier process (%s): one on a machine "
+                                "that failed keeps an NFS lock until its lease expires; waiting up to %.0f s",
+                                path.parent, holder, SAME_RUN_PATIENCE)
                 time.sleep(0.2)
                 continue
             lease.close()
-            holder = ", ".join(f"{key} {held[key]}" for key in ("run_id", "host", "pid", "since") if key in held)
+            if this_run:
+                return None, (f"--ckpt-dir {path.parent} is still locked by this job's own earlier process "
+                              f"({holder}) after {SAME_RUN_PATIENCE:.0f} s; retrying, as after any fault", True)
             return None, (f"--ckpt-dir {path.parent} is in use by another job ({holder or 'holder unknown'}); "
-                          "wait for it to end, or give this job another --ckpt-dir")
+                          "wait for it to end, or give this job another --ckpt-dir", False)
+    if told:
+        log.warning("--ckpt-dir %s: the lock was released after %.0f s; going on", path.parent,
+                    time.monotonic() - started)
     lease.seek(0)
     lease.truncate()
     lease.write(json.dumps({"run_id": env.run_id, "host": socket.gethostname(), "pid": os.getpid(),
