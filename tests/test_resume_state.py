@@ -222,3 +222,57 @@ def test_a_checkpoint_sent_tensor_by_tensor_arrives_unchanged_in_any_memory_form
                  OMP_NUM_THREADS="1", PYTHONPATH=str(default_project))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("the state arrived unchanged") == 2, result.stdout
+
+
+# At the resumed run's 6th step (step 10, after the save of step 8 deleted the resumed step-4.pt): the lines of
+# /proc/self/maps that name --ckpt-dir, a checkpoint file still mapped.
+REPORT_MAPPED_CHECKPOINTS = """
+import os
+import sys
+
+if sys.argv[0].endswith("train.py"):
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    steps = []
+
+    def report_mapped_checkpoints(optimizer, args, kwargs):
+        steps.append(1)
+        if len(steps) == 6:
+            ckpt_dir = os.path.abspath(sys.argv[sys.argv.index("--ckpt-dir") + 1])
+            with open("/proc/self/maps") as maps:
+                mapped = sorted({line.split(None, 5)[-1].strip() for line in maps if ckpt_dir in line})
+            print(f"mapped checkpoint files at step 10: {mapped}", file=sys.stderr, flush=True)
+
+    register_optimizer_step_post_hook(report_mapped_checkpoints)
+"""
+
+
+ADAMW = """
+
+import dataclasses
+
+
+def adamw(model, options):  # keeps each state["step"] on the host, as given, on any device
+    return torch.optim.AdamW(model.parameters(), lr=options.lr)
+
+
+TASK = dataclasses.replace(TASK, build_optimizer=adamw)
+"""
+
+
+def test_nothing_of_the_resumed_file_stays_mapped(default_project, tmp_path):
+    # Every device loads the same way: the file mapped, then each component's own copy (AdamW keeps what it is
+    # given where device and dtype already match: each state["step"] on GPU, every moment on CPU). The resumed
+    # step-4.pt is deleted by retention at step 8; a view kept into it would stay allocated.
+    project = with_task_code(default_project, tmp_path, ADAMW)
+    ckpt_dir = tmp_path / "ckpt"
+    (tmp_path / "fault").mkdir()
+    (tmp_path / "fault" / "sitecustomize.py").write_text(REPORT_MAPPED_CHECKPOINTS)
+    for max_steps in (4, 12):
+        args = tiny_run(num_workers=0, max_steps=max_steps, keep_checkpoints=1, ckpt_dir=ckpt_dir)
+        result = run_job(project, args, via="python", nproc=1, PYTHONPATH=str(tmp_path / "fault"))
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resuming from {ckpt_dir / 'step-4.pt'}" in result.stderr
+    assert not (ckpt_dir / "step-4.pt").exists()
+    assert "mapped checkpoint files at step 10: []" in result.stderr, result.stderr[-3000:]
+    assert checkpoint(ckpt_dir, 12)["optimizer"]["state"][0]["step"] == 12

@@ -305,6 +305,7 @@ class Checkpointer:
             for name in self.components:  # in the order given, the same on every rank (a load may be a collective)
                 if name in restored and name not in self.restored_by_read:
                     self.components[name].load_state_dict(state[name])
+            self.own_what_was_loaded(state)
         except (RuntimeError, ValueError, KeyError) as error:
             raise checkpoint_mismatch(source, error) from None
         restore_rng_states(state, self.env, self.device)
@@ -360,6 +361,9 @@ class Checkpointer:
     def find_newest(self) -> tuple[Path, dict | None] | None:
         """(checkpoint, the options it recorded) of the newest valid one, the same on every rank."""
         raise NotImplementedError
+
+    def own_what_was_loaded(self, state: dict) -> None:
+        """After the components loaded `state`: make sure none of them keeps a tensor of it (a mapped file)."""
 
     def read(self, source: Path, components: set[str]) -> dict:
         """The state of `source`: the named components' state_dicts, torch_rng_state, cpu_ and cuda_rng_states,

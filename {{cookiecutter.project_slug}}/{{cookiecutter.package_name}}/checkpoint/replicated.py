@@ -7,7 +7,7 @@ import os
 import pickle
 import tempfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -193,6 +193,18 @@ class TensorSlot:
     dtype: torch.dtype
 
 
+def tensors_in(value) -> Iterator[torch.Tensor]:
+    """Every tensor in nested dicts, lists and tuples."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from tensors_in(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from tensors_in(item)
+
+
 def copy_to_host(value):
     """`value` with every tensor copied to host memory, of its own."""
     if isinstance(value, torch.Tensor):
@@ -289,6 +301,23 @@ class ReplicatedCheckpointer(Checkpointer):
     def read(self, source: Path, components: set[str]) -> dict:
         state = self._newest_state
         self._newest_state = None
-        if self.device.type == "cpu":  # the state's own memory: on CPU an optimizer would keep the mapped tensors,
-            state = copy_to_host(state)  # reading the file again at every step (and SIGBUS once NFS has deleted it)
         return {**state, "progress": state}  # a flat file: progress's fields and world_size at the top
+
+    def own_what_was_loaded(self, state: dict) -> None:
+        """The file is mapped (load_mapped), and a component may keep what it was given: Optimizer.load_state_dict
+        keeps every state tensor whose device and dtype are its parameter's already (all of them on CPU) and
+        each state["step"] on any device (kept on the host unless capturable or fused). Such a view reads the
+        file again at every step, keeps its blocks allocated once retention has deleted it (NFS: a .nfsXXXX
+        file in --ckpt-dir), and SIGBUSes if the file is truncated. A component holding one is loaded again,
+        with those tensors copied: on GPU that copies little (the steps), on CPU the optimizer's moments."""
+        mapped = {pointer for tensor in tensors_in(state) if (pointer := tensor.untyped_storage().data_ptr())}
+
+        def owned(value):
+            if isinstance(value, torch.Tensor):
+                return value.clone() if value.untyped_storage().data_ptr() in mapped else value
+            return walk(value, owned) if isinstance(value, (dict, list, tuple)) else value
+
+        for component in self.components.values():
+            held = component.state_dict()
+            if any(tensor.untyped_storage().data_ptr() in mapped for tensor in tensors_in(held)):
+                component.load_state_dict(owned(held))
