@@ -73,12 +73,12 @@ def test_mixed_precision_with_accumulation_and_clipping_learns_and_records_metri
         assert {"loss", "lr", "samples_per_sec", "step_time_s", "data_wait_frac"} <= row.keys()
         assert row["samples_per_sec"] > 0 and 0 <= row["data_wait_frac"] < 1
     assert train_rows[-1]["loss"] < 0.7 * train_rows[0]["loss"], "loss did not fall"
-    # The lr each logged step ran with, at the samples seen when it ended (32 a step): 2 steps (64 samples) of
-    # linear warmup, then cosine from 0.05 to 0 over the 2 epochs' other 960 samples.
+    # The lr each logged step ran with, at the middle of its samples (32 a step): 2 steps (64 samples) of linear
+    # warmup, then cosine from 0.05 to 0 over the 2 epochs' other 960 samples.
     for row in train_rows:
-        seen = row["samples_seen"]
-        assert seen == 32 * row["step"], row
-        expected = 0.05 * seen / 64 if seen < 64 else 0.05 * 0.5 * (1 + math.cos(math.pi * (seen - 64) / 960))
+        assert row["samples_seen"] == 32 * row["step"], row
+        middle = row["samples_seen"] - 16
+        expected = 0.05 * middle / 64 if middle < 64 else 0.05 * 0.5 * (1 + math.cos(math.pi * (middle - 64) / 960))
         assert row["lr"] == pytest.approx(expected), row
     assert [(row["step"], row["samples"]) for row in eval_rows] == [(16, 128), (32, 128)]
     assert eval_rows[-1]["accuracy"] > 0.3  # 10 classes: chance is 0.1

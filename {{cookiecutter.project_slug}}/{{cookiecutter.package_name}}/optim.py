@@ -290,8 +290,8 @@ class LearningRateSchedule:
     A step is --batch-size x --grad-accum x world size samples, so a job resumed on another number of ranks
     takes other steps over the same data; a schedule over steps (torch's LambdaLR, with the step count restored)
     would then stand at the wrong fraction of the run: going from 1 rank to 2 halves the steps left, and the
-    cosine reaches 0 halfway through. Here the lr of every step is the schedule's value at the samples seen once
-    that step is done, the same at any world size. The decay spans --epochs; --max-steps only stops early, so
+    cosine reaches 0 halfway through. Here the lr of every step is the schedule's value at the middle of that
+    step's samples, the same at any world size. The decay spans --epochs; --max-steps only stops early, so
     a run stopped by it and restarted with a larger one continues the same curve.
 
     A streamed training set's epoch has no length known before it is read: there the decay, and the run
@@ -299,8 +299,8 @@ class LearningRateSchedule:
     changes the number of steps left, not where the run ends or the lr at any sample count. A changed
     --max-steps re-plans both, still in steps of the first world size.
 
-    Each step takes the lr at the middle of its samples: neither the first update (warmup starts at 0) nor the
-    last (cosine ends at 0) is wasted at lr 0.
+    Taking a step's middle, neither the first update (warmup starts at 0) nor the last (cosine ends at 0) is
+    wasted at lr 0.
 
     Saved in checkpoints: the warmup's length in samples. --warmup-steps counts steps of the world size the run
     started with; a resume on another one keeps the warmup it started, unless --warmup-steps itself changed.

@@ -14,11 +14,13 @@ pip install -e '.[wandb]' or '.[mlflow]'.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import logging
 import os
 import queue
+import socket
 import threading
 import uuid
 from pathlib import Path
@@ -96,6 +98,7 @@ class MlflowRun:
 
     def __init__(self, mlflow, record: RunRecord, config: dict[str, Any], resume: tuple[int, str] | None):
         self.mlflow = mlflow
+        make_a_new_sqlite_store_whole(mlflow)
         if "MLFLOW_EXPERIMENT_NAME" not in os.environ and "MLFLOW_EXPERIMENT_ID" not in os.environ:
             mlflow.set_experiment(PROJECT)
         run = mlflow.start_run(run_id=record.run_id, log_system_metrics=False)
@@ -112,6 +115,35 @@ class MlflowRun:
 
     def close(self) -> None:
         self.mlflow.end_run()
+
+
+def make_a_new_sqlite_store_whole(mlflow) -> None:
+    """A new sqlite store (MLFLOW_TRACKING_URI=sqlite:///PATH, MLflow 3's default sqlite:///mlflow.db) is made by
+    its first client, which runs MLflow's schema migrations for seconds: a rank killed meanwhile left a
+    half-migrated database that no client could open again, `mlflow ui` included ("table _alembic_tmp_... already
+    exists"). So it is made under a temporary name beside PATH and linked into place whole (never over another
+    one); a kill leaves only the temporary file, which the next start on this machine removes."""
+    uri = mlflow.get_tracking_uri()
+    if not uri.startswith("sqlite:///"):
+        return
+    path = Path(uri.removeprefix("sqlite:///").split("?", 1)[0])
+    if path.exists():
+        return
+    host = socket.gethostname()
+    prefix = f".{path.name}.partial-{host}-"
+    for stale in path.parent.glob(f"{prefix}*"):  # of a process here that was killed; sqlite's -journal too
+        with contextlib.suppress(ValueError, OSError):
+            try:
+                os.kill(int(stale.name.removeprefix(prefix).split("-", 1)[0]), 0)  # is its maker alive?
+            except ProcessLookupError:
+                stale.unlink()
+    partial = path.with_name(f".{path.name}.partial-{host}-{os.getpid()}")
+    try:
+        mlflow.MlflowClient(tracking_uri=f"sqlite:///{partial}").search_experiments()  # creates and migrates it
+        with contextlib.suppress(FileExistsError):  # another job made it meanwhile: theirs is whole too
+            os.link(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 TRACKERS = {"wandb": WandbRun, "mlflow": MlflowRun}

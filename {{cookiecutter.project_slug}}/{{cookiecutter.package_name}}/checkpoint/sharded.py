@@ -110,6 +110,7 @@ class ShardedCheckpointer(Checkpointer):
         # DCP's async save runs collectives in a thread of its own: they need a group of their own.
         self._save_group = (async_save_group(options.collective_timeout())
                             if options.async_save and dist.is_initialized() else None)
+        self._stager = reused_stager(device) if self._save_group is not None else None
         self._deleting: threading.Thread | None = None
 
     def _state(self, progress: TrainingProgress, world_size: int) -> dict:
@@ -142,8 +143,9 @@ class ShardedCheckpointer(Checkpointer):
             barrier(self.device)
         else:  # copied to host memory before async_save returns; DCP's thread writes, and exchanges with the
             # other ranks on a gloo group of its own (not the side group, which the loop uses meanwhile)
+            stager = {"async_stager": self._stager} if self._stager is not None else {}
             saving = dcp.async_save(state, checkpoint_id=partial, planner=self._planner,
-                                    process_group=self._save_group)
+                                    process_group=self._save_group, **stager)
             saving = getattr(saving, "upload_completion", saving)  # a response, not a future, in newer torch
             self.in_background(self.publish_when_written, saving, partial, final, self.kept_steps())
         return final if self.env.is_main_process else None
@@ -255,6 +257,21 @@ def async_save_group(timeout) -> dist.ProcessGroup:
         dist.scatter_object_list(received, gathered, src=0, group=group)
         dist.broadcast_object_list(received, src=0, group=group)
     return group
+
+
+def reused_stager(device: torch.device):
+    """One stager for every --async-save of the run (torchtitan's way): its host copies are allocated once, pinned
+    on CUDA, where a new stager per save allocated them anew each time. Its copy runs before async_save returns
+    (use_async_staging=False): the next optimizer step changes the parameters in place, so a copy still running in
+    a thread could save a model half updated. None on a torch without DefaultStager (2.8 and older): DCP's own."""
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.checkpoint import staging
+
+    if not hasattr(staging, "DefaultStager") or "async_stager" not in inspect.signature(dcp.async_save).parameters:
+        return None
+    on_cuda = device.type == "cuda"
+    return staging.DefaultStager(staging.StagingOptions(
+        use_pinned_memory=on_cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=on_cuda))
 
 
 def save_planner():
