@@ -61,34 +61,36 @@ def test_accumulated_micro_batches_equal_one_larger_batch(default_project, batch
 def test_mixed_precision_with_accumulation_and_clipping_learns_and_records_metrics(default_project, tmp_path,
                                                                                   precision):
     ckpt_dir, log_dir = tmp_path / "checkpoints", tmp_path / "logs"
-    result = torchrun(default_project, 2, precision=precision, grad_accum=2, clip_grad=1.0, lr=0.05, epochs=2,
-                      max_steps=None, warmup_steps=2, ckpt_dir=ckpt_dir, log_dir=log_dir)
+    # 3 epochs evaluated every 2nd: after the 2nd, and at the run's end although 3 is not a multiple of 2.
+    result = torchrun(default_project, 2, precision=precision, grad_accum=2, clip_grad=1.0, lr=0.05, epochs=3,
+                      eval_every=2, max_steps=None, warmup_steps=2, ckpt_dir=ckpt_dir, log_dir=log_dir)
     assert "samples/s" in result.stderr and "data wait" in result.stderr
 
     rows = metric_rows(log_dir)
     train_rows = [row for row in rows if row["kind"] == "train"]
     eval_rows = [row for row in rows if row["kind"] == "eval"]
-    assert [row["step"] for row in train_rows] == list(range(2, 33, 2))  # 2 epochs of 16 steps, every 2nd
+    assert [row["step"] for row in train_rows] == list(range(2, 49, 2))  # 3 epochs of 16 steps, every 2nd
     for row in train_rows:
         assert {"loss", "lr", "samples_per_sec", "step_time_s", "data_wait_frac"} <= row.keys()
         assert row["samples_per_sec"] > 0 and 0 <= row["data_wait_frac"] < 1
     assert train_rows[-1]["loss"] < 0.7 * train_rows[0]["loss"], "loss did not fall"
     # The lr each logged step ran with, at the middle of its samples (32 a step): 2 steps (64 samples) of linear
-    # warmup, then cosine from 0.05 to 0 over the 2 epochs' other 960 samples.
+    # warmup, then cosine from 0.05 to 0 over the 3 epochs' other 1472 samples.
     for row in train_rows:
         assert row["samples_seen"] == 32 * row["step"], row
         middle = row["samples_seen"] - 16
-        expected = 0.05 * middle / 64 if middle < 64 else 0.05 * 0.5 * (1 + math.cos(math.pi * (middle - 64) / 960))
+        expected = 0.05 * middle / 64 if middle < 64 else 0.05 * 0.5 * (1 + math.cos(math.pi * (middle - 64) / 1472))
         assert row["lr"] == pytest.approx(expected), row
-    assert [(row["step"], row["samples"]) for row in eval_rows] == [(16, 128), (32, 128)]
+    assert [(row["step"], row["samples"]) for row in eval_rows] == [(32, 128), (48, 128)]
     assert eval_rows[-1]["accuracy"] > 0.3  # 10 classes: chance is 0.1
 
     scalars = tensorboard_scalars(log_dir)
     assert [step for step, _ in scalars["train/loss"]] == [row["step"] for row in train_rows]
     assert scalars["eval/accuracy"][-1][1] == pytest.approx(eval_rows[-1]["accuracy"])
 
-    state = checkpoint(ckpt_dir, 32)
-    assert state["samples_seen"] == 1024  # the schedule's position, for an exact resume at any world size
+    state = checkpoint(ckpt_dir, 48)
+    assert state["samples_seen"] == 1536  # the schedule's position, for an exact resume at any world size
+    assert not state["evaluation_due"], "the run's end was evaluated before its last checkpoint"
     assert state["lr_schedule"] == {"warmup_steps": 2, "warmup_samples": 64}
     if precision == "fp16":
         assert state["grad_scaler"]["scale"] > 0, "the gradient scaler's state is saved for an exact resume"

@@ -413,8 +413,9 @@ EMA = {
 '''),
         ('            with watchdog.slow_phase("evaluating"):\n',
          '            with watchdog.slow_phase("evaluating"), ema.swapped_into(model):\n'),
-        ("                optimizer.zero_grad(set_to_none=True)\n",
-         "                optimizer.zero_grad(set_to_none=True)\n                ema.update(model)\n"),
+        ("            amp.scaler.update()  # once a step, after every optimizer stepped: the fp16 scale for the next\n",
+         "            amp.scaler.update()  # once a step, after every optimizer stepped: the fp16 scale for the next\n"
+         "            ema.update(model)\n"),
     ],
 }
 

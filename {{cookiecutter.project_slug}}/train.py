@@ -96,7 +96,19 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     optimizers = task.build_optimizer(model, options)
     optimizer = as_one_optimizer(optimizers)
     nonfinite = NonFiniteGuard(options.skip_nonfinite, amp, device)  # a NaN loss stops the job (or is skipped)
-    task_step = TaskStep(training_model, optimizers, amp, options, nonfinite) if task.training_step else None
+
+    def update(optimizer: torch.optim.Optimizer, number: int) -> torch.Tensor:
+        """The optimizer step, written once: the loop's own, and each step.update() of a task's training_step.
+        Returns the gradient norm before clipping."""
+        amp.scaler.unscale_(optimizer)  # true gradients for the norm and clipping (a no-op unless fp16)
+        parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+        grad_norm = torch.nn.utils.clip_grad_norm_(parameters, options.clip_grad or math.inf)
+        if nonfinite.allows_update(number, grad_norm):  # else skipped on every rank, or a stop
+            amp.scaler.step(optimizer)  # fp16: skips a step whose gradients overflowed
+        optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    task_step = TaskStep(training_model, optimizers, amp, options, nonfinite, update) if task.training_step else None
     step_batches = []  # the micro-batches of the step a task's training_step takes
     samples_per_step = options.batch_size * options.grad_accum * env.world_size  # all ranks together
     # Over samples seen, not steps: a job resumed on another number of ranks continues the same curve.
@@ -124,22 +136,24 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
                         changed_options=checkpointer.changed_options)
     stop_requested = False
 
-    while not stop_requested:
-        if progress.evaluation_due:  # the epoch ended here; or a SIGTERM cut its evaluation short before a resume
+    while True:
+        # The one evaluation: after every --eval-every epochs and at the run's end; or one a SIGTERM cut short.
+        if progress.evaluation_due and not stop_requested:
             with watchdog.slow_phase("evaluating"):
                 results = evaluate(model, eval_loader, device, amp, task,
                                    stop=lambda: stop.agreed_now(watchdog.sigterm_received))
             if results is None:  # SIGTERM reached some rank: saved as still due, evaluated on resume
                 stop_requested = True
-                break
-            meter.log_evaluation(progress.step, progress.epoch, results)
-            progress.evaluation_due = False
-            if selection.judge(results, progress.step, stop.decided_by_rank_0):  # the best so far: saved, kept
-                with watchdog.slow_phase("saving the best checkpoint"):
-                    checkpointer.save(progress, wait=True)
-                selection.write_record()
-        if progress.finished(options.epochs, options.max_steps, max_samples) or selection.out_of_patience():
-            break
+            else:
+                meter.log_evaluation(progress.step, progress.epoch, results)
+                progress.evaluation_due = False
+                if selection.judge(results, progress.step, stop.decided_by_rank_0):  # the best so far: saved
+                    with watchdog.slow_phase("saving the best checkpoint"):
+                        checkpointer.save(progress, wait=True)
+                    selection.write_record()
+        if stop_requested or progress.finished(options.epochs, options.max_steps, max_samples) \
+                or selection.out_of_patience():
+            break  # the loop's one exit
         train_loader.start_epoch(progress.epoch, progress.samples_in_epoch)  # mid-epoch: at the next unseen sample
         for micro_step, batch in enumerate(meter.timed(train_loader), start=1):
             batch = to_device(batch, device, channels_last)  # whatever task.collate made: tuple, dict, ...
@@ -161,13 +175,9 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
                 nonfinite.watch(loss)
                 if not last_micro_batch:
                     continue
-                amp.scaler.unscale_(optimizer)  # true gradients for the norm and clipping (a no-op unless fp16)
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), options.clip_grad or math.inf)
                 lr = lr_schedule.set_lr(progress.samples_seen + samples_per_step / 2)  # at the step's middle
-                if nonfinite.allows_update(progress.step + 1, grad_norm):  # else skipped on every rank, or a stop
-                    amp.scaler.step(optimizer)  # fp16: skips a step whose gradients overflowed
-                amp.scaler.update()
-                optimizer.zero_grad(set_to_none=True)
+                grad_norm = update(optimizer, progress.step + 1)
+            amp.scaler.update()  # once a step, after every optimizer stepped: the fp16 scale for the next
             progress.advance(samples_per_step)
             meter.end_step(progress, lr, grad_norm)
             profiler.before_step(progress.step + 1)  # before the beat: a profiled step is a slow one
@@ -179,20 +189,20 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
                     checkpointer.save(progress)
             stop_requested = stop.agreed(watchdog.sigterm_received)  # SIGTERM reached some rank: same step on all
             if stop_requested or progress.finished(options.epochs, options.max_steps, max_samples):
-                break
+                break  # to the exit above
         else:  # the epoch ran to its end
             progress.next_epoch(options.eval_every)  # its evaluation is due, every --eval-every epochs
             stop_requested = stop.agreed_now(watchdog.sigterm_received)  # not after a long evaluation
+        if options.eval_every and progress.finished(options.epochs, options.max_steps, max_samples):
+            progress.evaluation_due = True  # the run's end is evaluated, part-way through an epoch or not
 
     # meter.close() inside the phase, also on the SIGTERM exit: a tracker's last rows are sent within its limit.
     profiler.close()  # a run that ended inside the profiled steps still writes their trace
-    with watchdog.slow_phase("final checkpoint and evaluation"), contextlib.closing(meter):
-        checkpointer.save(progress, wait=True)  # before the evaluation, so a failing evaluation loses no training
-        if stop_requested:  # preemption, or torchrun stopping the group
-            log.info("stopped by SIGTERM after step %d; run the same command again to resume", progress.step)
-            sys.exit(EXIT_CODE_AFTER_SIGTERM)
-        if options.eval_every and progress.samples_in_epoch:  # stopped by --max-steps part-way through an epoch
-            meter.log_evaluation(progress.step, progress.epoch, evaluate(model, eval_loader, device, amp, task))
+    with watchdog.slow_phase("final checkpoint"), contextlib.closing(meter):
+        checkpointer.save(progress, wait=True)
+    if stop_requested:  # preemption, or torchrun stopping the group
+        log.info("stopped by SIGTERM after step %d; run the same command again to resume", progress.step)
+        sys.exit(EXIT_CODE_AFTER_SIGTERM)
 
 
 @record  # an uncaught exception's traceback reaches torchrun's failure summary

@@ -145,22 +145,23 @@ class TaskStep:
     one forward with gradients per backward (to score real and generated samples, concatenate them), and a
     network used without gradients (the generator in the critic's loss) runs under torch.no_grad(), not with
     its output .detach()ed, which leaves DDP waiting for a backward that never comes.
-    update(*names): those optimizers take their step: gradients unscaled (fp16), clipped (--clip-grad, over
-    their parameters), checked (a NaN or inf loss or gradient norm: skipped or the job stops, as train.py's
-    own step does; one small all-reduce and host sync per update), stepped, zeroed. Each optimizer once a step
-    at most (the fp16 gradient scaler's rule; a critic stepped five times per generator step takes five steps,
-    the generator's when step.number % 5 == 0). Gradients a backward left on a network whose optimizer did not
-    step (the critic's, from the generator's loss) are zeroed when the step ends. Every rank must call these
-    in the same order: they hold collectives."""
+    update(*names): those optimizers take train.py's optimizer step (its `update`), each in turn: gradients unscaled
+    (fp16), clipped (--clip-grad, over their parameters), checked (a NaN or inf loss or gradient norm: skipped or
+    the job stops; one small all-reduce and host sync per update), stepped, zeroed. Each optimizer once a step at
+    most (the fp16 gradient scaler's rule; a critic stepped five times per generator step takes five steps, the
+    generator's when step.number % 5 == 0). Gradients a backward left on a network whose optimizer did not step (the
+    critic's, from the generator's loss) are zeroed when the step ends. Every rank must call these in the same
+    order: they hold collectives."""
 
     def __init__(self, networks: SimpleNamespace, built: torch.optim.Optimizer | dict[str, torch.optim.Optimizer],
-                 amp: MixedPrecision, options: TrainOptions, nonfinite: NonFiniteGuard):
+                 amp: MixedPrecision, options: TrainOptions, nonfinite: NonFiniteGuard,
+                 optimizer_step: Callable[[torch.optim.Optimizer, int], torch.Tensor]):
         self.networks = networks
         self.options = options  # the task's own as options.task
         self.optimizers = built if isinstance(built, dict) else {"optimizer": built}  # task.build_optimizer's
         self.amp = amp
         self.nonfinite = nonfinite
-        self.clip_grad = options.clip_grad or math.inf
+        self.optimizer_step = optimizer_step  # train.py's: (optimizer, step number) -> gradient norm
         self.number = 0  # the optimizer step being taken: 1 for the first
         self.grad_norms: list[torch.Tensor] = []
         self.stepped: set[str] = set()  # this step's
@@ -188,13 +189,7 @@ class TaskStep:
                 raise UsageError(f"training_step: step.update({name!r}) twice in one step; an optimizer steps once a "
                                  "step (the fp16 gradient scaler's rule): take more steps, updating it in each")
             self.stepped.add(name)
-            optimizer = self.optimizers[name]
-            self.amp.scaler.unscale_(optimizer)
-            parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
-            self.grad_norms.append(torch.nn.utils.clip_grad_norm_(parameters, self.clip_grad))
-            if self.nonfinite.allows_update(self.number, self.grad_norms[-1]):  # NaN/inf: skipped, or the job stops
-                self.amp.scaler.step(optimizer)
-            optimizer.zero_grad(set_to_none=True)
+            self.grad_norms.append(self.optimizer_step(self.optimizers[name], self.number))
         for network in vars(self.networks).values():
             network = getattr(network, "_orig_mod", network)  # under torch.compile
             if is_sharded(network):  # an FSDP2 root keeps its whole parameters after a forward without gradients
@@ -207,7 +202,6 @@ class TaskStep:
         loss = training_step(self, batches)
         if not isinstance(loss, torch.Tensor):
             raise UsageError(f"task.training_step returned {type(loss).__name__}; return the loss to log, a tensor")
-        self.amp.scaler.update()
         for optimizer in self.optimizers.values():
             optimizer.zero_grad(set_to_none=True)
         norms = [whole(norm).float() for norm in self.grad_norms]  # one norm over every optimizer
