@@ -31,6 +31,8 @@ DEFAULT_FILES = {
     ".cookiecutter.json", ".dockerignore", ".gitignore", "Dockerfile", "MANIFEST.in", "README.md", "pyproject.toml",
     "run_node.sh", "train.py",
     "slurm/train.sbatch",
+    *(f"docs/{name}.md" for name in ("containers-and-schedulers", "experiments", "export", "failures", "monitoring",
+                                     "performance", "several-machines")),
     "tests/harness.py", "tests/test_smoke.py",
     *(f"ddp_training/{name}.py" for name in
       ("__init__", "checkpoint/__init__", "checkpoint/common", "checkpoint/replicated", "checkpoint/sharded",
@@ -243,15 +245,16 @@ def test_strategy_answer_is_the_default_of_the_strategy_flag(bake, strategy):
     assert re.search(rf"--strategy \{{ddp,fsdp2\}}.*?\(default: {strategy}\)", result.stdout, re.DOTALL)
 
 
-def test_only_task_py_and_the_readme_differ_between_the_tasks(bake):
+def test_only_task_py_and_the_docs_differ_between_the_tasks(bake):
     # The package's machinery names no task: options, checkpoints, loop and tests are the same for every task.
     default_project, language_model = bake(), bake(task="language_model")  # fresh: others run the shared one
     assert project_files(language_model) == project_files(default_project)
     differing = {name for name in project_files(default_project)
                  if (default_project / name).read_bytes() != (language_model / name).read_bytes()}
-    # pyproject.toml and the Dockerfile: torchvision, which only the image task needs.
-    assert differing == {"ddp_training/task.py", "README.md", ".cookiecutter.json", "pyproject.toml", "Dockerfile"}, \
-        differing
+    # pyproject.toml and the Dockerfile: torchvision, which only the image task needs. The docs: the task's
+    # throughput unit and its exported model's options.
+    assert differing == {"ddp_training/task.py", "README.md", "docs/export.md", "docs/monitoring.md",
+                         ".cookiecutter.json", "pyproject.toml", "Dockerfile"}, differing
 
 
 def test_generated_code_cites_no_template_issue_or_folder(bake):

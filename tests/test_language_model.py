@@ -105,7 +105,7 @@ def test_fsdp2_token_files_resume_on_another_world_size_and_export(bake, text_di
     assert sum("blocks." in name for name in weights) > 0 and not any(n.startswith("module.") for n in weights)
     # The README's loading lines, run as they are beside the export: the model rebuilt from model.json holds
     # model.safetensors' tensors, which are the .pt's, bit for bit.
-    loading = readme_block(project, "python", "### Weights others can load")
+    loading = readme_block(project, "python", "# Weights others can load", "docs/export.md")
     reloaded = run(["python", "-c", loading + "\nimport torch\ntorch.save(model.state_dict(), 'reloaded.pt')\n"],
                    cwd=tmp_path, PYTHONPATH=str(project))
     assert reloaded.returncode == 0, reloaded.stderr[-3000:]

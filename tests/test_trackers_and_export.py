@@ -191,7 +191,7 @@ def test_exported_safetensors_load_back_bitwise_as_the_readme_shows(default_proj
     # The README's lines, run as they are in the folder the export wrote.
     monkeypatch.chdir(tmp_path)
     namespace = {}
-    exec(readme_block(default_project, "python", "### Weights others can load"), namespace)  # noqa: S102
+    exec(readme_block(default_project, "python", "# Weights others can load", "docs/export.md"), namespace)  # noqa: S102
     expected = checkpoint(uninterrupted_bare, 40)["model"]
     loaded = namespace["model"].state_dict()
     assert loaded.keys() == expected.keys()

@@ -58,9 +58,10 @@ def task_field(project: Path, name: str, default: object = None) -> object:
     return default
 
 
-def readme_block(project: Path, language: str, section: str = "## Make it yours") -> str:
-    """The first ```language block of a baked project's README after the heading `section`."""
-    text = (project / "README.md").read_text()
+def readme_block(project: Path, language: str, section: str = "## Make it yours", file: str = "README.md") -> str:
+    """The first ```language block of a baked project's README (or another of its Markdown files) after the
+    heading `section`."""
+    text = (project / file).read_text()
     return re.search(rf"```{language}\n(.*?)```", text[text.index(section):], re.DOTALL)[1]
 
 
