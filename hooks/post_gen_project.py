@@ -11,6 +11,8 @@ EXECUTABLES = ["run_node.sh", "train.py", "slurm/train.sbatch"]
 # removed, and their folder only when that leaves it empty: `cookiecutter -f ... use_slurm=no` over an
 # existing project must keep the user's own files in slurm/ (issue 14).
 OPTIONAL_FILES = {"slurm/train.sbatch": "use_slurm", "k8s/pytorchjob.yaml": "use_kubernetes"}
+# Examples whose diffs edit the image task's task.py, kept only in its bakes.
+IMAGE_TASK_EXAMPLES = ["regression", "dict-batches", "whole-set-metric", "gan", "distillation", "two-optimizers"]
 
 
 def make_executable(path: Path) -> None:
@@ -26,6 +28,12 @@ def remove_unwanted_files(project: Path, answers: dict) -> None:
         path.unlink()
         if not any(path.parent.iterdir()):
             path.parent.rmdir()
+    if answers["task"] != "image_classification":
+        for name in IMAGE_TASK_EXAMPLES:
+            for file in ("README.md", "change.diff"):
+                (project / "examples" / name / file).unlink(missing_ok=True)
+            if (project / "examples" / name).is_dir() and not any((project / "examples" / name).iterdir()):
+                (project / "examples" / name).rmdir()
 
 
 def a_person_is_reading(project: Path, answers: dict, terminal: bool) -> bool:

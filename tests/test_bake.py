@@ -32,7 +32,10 @@ DEFAULT_FILES = {
     "run_node.sh", "train.py",
     "slurm/train.sbatch",
     *(f"docs/{name}.md" for name in ("containers-and-schedulers", "experiments", "export", "failures", "monitoring",
-                                     "performance", "several-machines")),
+                                     "performance", "several-machines", "streaming")),
+    *(f"examples/{name}/{file}" for name in ("regression", "dict-batches", "whole-set-metric", "gan", "distillation",
+                                             "two-optimizers", "ema", "loss-weight")
+      for file in ("README.md", "change.diff")),
     "tests/harness.py", "tests/test_smoke.py",
     *(f"ddp_training/{name}.py" for name in
       ("__init__", "checkpoint/__init__", "checkpoint/common", "checkpoint/replicated", "checkpoint/sharded",
@@ -49,10 +52,10 @@ CHOICES = [
 ]
 
 
-def test_the_generated_readmes_diffs_match_the_code_they_edit():
-    # The README's recipes are diffs of task.py, train.py, optim.py and checkpoint/common.py: regenerated from
-    # the template's sources by tools/readme_diffs.py, which this runs in --check mode.
-    result = run([sys.executable, "tools/readme_diffs.py", "--check"], cwd=TEMPLATE_ROOT, timeout=120)
+def test_the_examples_diffs_match_the_code_they_edit():
+    # The examples' change.diff files are diffs of task.py, train.py, optim.py and checkpoint/common.py,
+    # regenerated from the template's sources by tools/example_diffs.py, which this runs in --check mode.
+    result = run([sys.executable, "tools/example_diffs.py", "--check"], cwd=TEMPLATE_ROOT, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -186,7 +189,7 @@ def test_baking_again_without_slurm_removes_only_the_templates_files(tmp_path):
     slurm = tmp_path / "slurm"
     slurm.mkdir()
     (slurm / "our_sweep.sbatch").write_text("#!/bin/bash\n")
-    answers = {"use_slurm": "no", "use_kubernetes": "yes"}
+    answers = {"use_slurm": "no", "use_kubernetes": "yes", "task": "image_classification"}
     for _ in range(2):
         (slurm / "train.sbatch").write_text("#!/bin/bash\n")
         POST_GEN.remove_unwanted_files(tmp_path, answers)
@@ -248,13 +251,15 @@ def test_strategy_answer_is_the_default_of_the_strategy_flag(bake, strategy):
 def test_only_task_py_and_the_docs_differ_between_the_tasks(bake):
     # The package's machinery names no task: options, checkpoints, loop and tests are the same for every task.
     default_project, language_model = bake(), bake(task="language_model")  # fresh: others run the shared one
-    assert project_files(language_model) == project_files(default_project)
-    differing = {name for name in project_files(default_project)
+    image_examples = {name for name in project_files(default_project)  # their diffs edit the image task's task.py
+                      if name.split("/")[:2] in (["examples", example] for example in POST_GEN.IMAGE_TASK_EXAMPLES)}
+    assert image_examples and project_files(language_model) == project_files(default_project) - image_examples
+    differing = {name for name in project_files(language_model)
                  if (default_project / name).read_bytes() != (language_model / name).read_bytes()}
     # pyproject.toml and the Dockerfile: torchvision, which only the image task needs. The docs: the task's
     # throughput unit and its exported model's options.
     assert differing == {"ddp_training/task.py", "README.md", "docs/export.md", "docs/monitoring.md",
-                         ".cookiecutter.json", "pyproject.toml", "Dockerfile"}, differing
+                         "docs/streaming.md", ".cookiecutter.json", "pyproject.toml", "Dockerfile"}, differing
 
 
 def test_generated_code_cites_no_template_issue_or_folder(bake):

@@ -1,4 +1,4 @@
-"""Editing train.py keeps every guarantee: the generated README's loop edits (an EMA of the weights, two
+"""Editing train.py keeps every guarantee: the generated project's loop examples (an EMA of the weights, two
 optimizers, a loss weight annealed with the step) apply alone and together, and a job with all three, killed
 (kill -9 of a worker) and resumed, ends with every checkpoint entry bitwise equal to an uninterrupted run's,
 under FSDP2, the harder case (its state sharded, saved with --async-save: DCP writes the shards in a thread, on
@@ -17,8 +17,8 @@ import torch
 from helpers import (
     assert_same,
     checkpoint_state,
+    example_diff,
     kill_a_worker_and_finish,
-    readme_block,
     run,
     run_job,
     start_job,
@@ -27,7 +27,7 @@ from helpers import (
 
 pytestmark = pytest.mark.slow  # torchrun jobs: `make test-fast` leaves these out
 
-EDITS = ["An EMA of the weights", "A backbone trained with SGD", "A loss weight annealed with the step"]
+EDITS = ["ema", "two-optimizers", "loss-weight"]  # examples/<name>/change.diff
 RUN = dict(fake_samples=256, num_workers=0, max_steps=24, log_every=4)
 
 
@@ -40,10 +40,10 @@ def patch(project: Path, diff: str, *options: str) -> str:
 @pytest.fixture(scope="module")
 def edited_project(bake) -> Path:
     project = bake(project_name="Loop Edits")
-    for heading in EDITS:  # each applies to the project as baked
-        patch(project, readme_block(project, "diff", heading), "--dry-run")
-    for heading in EDITS:  # and all three together
-        patch(project, readme_block(project, "diff", heading))
+    for name in EDITS:  # each applies to the project as baked
+        patch(project, example_diff(project, name), "--dry-run")
+    for name in EDITS:  # and all three together
+        patch(project, example_diff(project, name))
     lint = run(["ruff", "check", "."], cwd=project)
     assert lint.returncode == 0, lint.stdout
     return project
@@ -78,6 +78,6 @@ def test_loop_edits_resume_bitwise_after_kill_9_under_fsdp2(edited_project, tmp_
 
 def test_the_task_independent_loop_edits_apply_to_the_language_model(bake):
     project = bake(task="language_model", project_name="Loop Edits LM")
-    for heading in (EDITS[0], EDITS[2]):
-        patch(project, readme_block(project, "diff", heading), "--dry-run")
-    assert EDITS[1] not in (project / "README.md").read_text()  # shown against the image task's optimizer
+    for name in (EDITS[0], EDITS[2]):
+        patch(project, example_diff(project, name), "--dry-run")
+    assert not (project / "examples" / EDITS[1]).exists()  # shown against the image task's optimizer

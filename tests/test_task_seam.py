@@ -1,4 +1,4 @@
-"""task.py is the one file a user edits: the README's examples (a regression on a CSV, dict batches, a metric
+"""task.py is the one file a user edits: the examples (a regression on a CSV, dict batches, a metric
 over the whole held-out set, two networks stepped in turn, a frozen teacher) apply to a baked project and train
 on 2 ranks; those that change training resume bitwise, and the project's own smoke tests pass; an unknown name
 says where to add it; a bug in the evaluation path shows before the first step; evaluation sums of any shape,
@@ -44,10 +44,9 @@ def write_table(path: Path, rows: int, seed: int) -> None:
 
 
 @pytest.mark.slow
-def test_readme_regression_diff_is_the_whole_change(bake, tmp_path):
+def test_the_regression_example_is_the_whole_change(bake, tmp_path):
     project = bake(project_name="House Prices")
-    (tmp_path / "regression.diff").write_text(readme_block(project, "diff"))
-    patched = run(["patch", "-p1", "-i", str(tmp_path / "regression.diff")], cwd=project)
+    patched = run(["patch", "-p1", "-i", "examples/regression/change.diff"], cwd=project)
     assert patched.returncode == 0, patched.stdout + patched.stderr
     assert "house_prices/task.py" in patched.stdout, "one file changes"
     lint = run(["ruff", "check", "."], cwd=project)
@@ -56,8 +55,9 @@ def test_readme_regression_diff_is_the_whole_change(bake, tmp_path):
     (project / "tables").mkdir()
     write_table(project / "tables" / "train.csv", 600, seed=0)
     write_table(project / "tables" / "val.csv", 150, seed=1)
-    command = next(line for line in readme_block(project, "bash").splitlines() if "./run_node.sh" in line)
-    result = run(["bash", "-c", command], cwd=project)  # exactly as the README has it
+    readme = readme_block(project, "bash", "# A regression", "examples/regression/README.md")
+    command = next(line for line in readme.splitlines() if "./run_node.sh" in line)
+    result = run(["bash", "-c", command], cwd=project)  # exactly as the example's README has it
     assert result.returncode == 0, result.stderr[-4000:]
     evaluations = re.findall(r"eval loss ([\d.]+) \| mean_absolute_error ([\d.]+) on 150 held-out samples",
                              result.stderr)
@@ -273,9 +273,9 @@ def trains_learns_and_resumes_bitwise_after_kill_9(project: Path, tmp_path: Path
     return rows
 
 
-def apply_readme_example(project: Path, tmp_path: Path, section: str) -> None:
-    (tmp_path / "example.diff").write_text(readme_block(project, "diff", section))
-    patched = run(["patch", "-p1", "-i", str(tmp_path / "example.diff")], cwd=project)
+def apply_example(project: Path, name: str) -> None:
+    """examples/<name>/change.diff, applied as its README says: `patch -p1 < examples/<name>/change.diff`."""
+    patched = run(["patch", "-p1", "-i", f"examples/{name}/change.diff"], cwd=project)
     assert patched.returncode == 0, patched.stdout + patched.stderr
     assert patched.stdout.split() == ["patching", "file", f"{project.name.replace('-', '_')}/task.py"], \
         "one file changes"
@@ -287,7 +287,7 @@ def apply_readme_example(project: Path, tmp_path: Path, section: str) -> None:
 @pytest.mark.starts_first  # two launches, one with a restart: among the longest
 def test_readme_dict_batch_example_trains_resumes_and_counts_words(bake, tmp_path):
     project = bake(project_name="Word Tags")
-    apply_readme_example(project, tmp_path, "### Dict batches of many lengths")
+    apply_example(project, "dict-batches")
     assert "--data tagged --fake-samples 512 --batch-size 16 --model tagger" in " ".join(smoke_test_args(project))
     rows = trains_learns_and_resumes_bitwise_after_kill_9(project, tmp_path, *flags(log_every=8, max_steps=24))
     evaluation = [row for row in rows if row["kind"] == "eval"][0]  # after epoch 0
@@ -317,7 +317,7 @@ TASK = dataclasses.replace(TASK, summarize=summarize)
 def test_readme_whole_set_metric_example_gathers_every_row_once(bake, tmp_path):
     # One launch: the example changes evaluation alone, and the training state it resumes is the default's.
     project = bake(project_name="Auc Check")
-    apply_readme_example(project, tmp_path, "### A metric over the whole held-out set")
+    apply_example(project, "whole-set-metric")
     task = project / "auc_check" / "task.py"
     task.write_text(task.read_text() + EVERY_ROW_ONCE)
     assert "--num-classes 2" in " ".join(smoke_test_args(project))
@@ -334,20 +334,20 @@ def test_readme_whole_set_metric_example_gathers_every_row_once(bake, tmp_path):
         evaluations
 
 
-SHAPES = {"adversarial": "A GAN on", "distilled": "A student distilled"}  # --model: where its README diff is
+SHAPES = {"adversarial": "gan", "distilled": "distillation"}  # --model: its example
 
 
 @pytest.mark.slow
 @pytest.mark.starts_first  # four launches, two with a restart
 @pytest.mark.parametrize("model", SHAPES)
 def test_networks_stepped_in_turn_and_a_frozen_teacher_need_task_py_alone(bake, tmp_path, model):
-    """Each README diff, task.py alone: the project's own tests pass (2 ranks train one model; a run resumed from
+    """Each example's diff, task.py alone: the project's own tests pass (2 ranks train one model; a run resumed from
     the middle checkpoint ends bit for bit where theirs did), and a job with a worker killed (kill -9) ends bit
     for bit where their uninterrupted run ended: under DDP every checkpoint entry; under FSDP2 the weights and
     every rank's generators (what the optimizers' state and the draws after the restart decide), since on 2 CPU
     ranks FSDP2 adds the same two gradients as DDP, and its checkpoint keys the optimizer state by name."""
     project = bake(project_name=f"Shape {model}")
-    apply_readme_example(project, tmp_path, SHAPES[model])
+    apply_example(project, SHAPES[model])
     assert f"--model {model}" in " ".join(smoke_test_args(project))
     own = run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "own")],
               cwd=project, timeout=600)

@@ -19,6 +19,7 @@ from .jobs import (
 )
 from .projects import (
     assert_project_tests_pass,
+    example_diff,
     main_in_this_process,
     make_image_folder,
     readme_block,
@@ -58,6 +59,7 @@ __all__ = [
     "assert_project_tests_pass",
     "smoke_test_args",
     "task_field",
+    "example_diff",
     "readme_block",
     "with_task_code",
     "main_in_this_process",

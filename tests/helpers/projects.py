@@ -65,6 +65,11 @@ def readme_block(project: Path, language: str, section: str = "## Make it yours"
     return re.search(rf"```{language}\n(.*?)```", text[text.index(section):], re.DOTALL)[1]
 
 
+def example_diff(project: Path, name: str) -> str:
+    """A baked project's examples/<name>/change.diff, the change its README says to apply with `patch -p1`."""
+    return (project / "examples" / name / "change.diff").read_text()
+
+
 def with_task_code(project: Path, folder: Path, code: str) -> Path:
     """A copy of a baked project in `folder`, with `code` appended to its task.py (a user's edit: a model, a
     hook that replaces the task's own)."""

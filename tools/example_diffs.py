@@ -1,13 +1,13 @@
-"""Regenerate the diffs in the generated project's README from the template's own sources.
+"""Regenerate the generated project's examples/<name>/change.diff from the template's own sources.
 
-Each recipe in the README ("Make it yours", "Editing the loop") is a diff that users apply with `patch -p1`, and
-tests apply them to a freshly baked project: a diff whose context no longer matches the code fails there. When
-task.py, train.py or checkpoint/common.py change, run
+Each example is a diff that users apply with `patch -p1`, and tests apply them to a freshly baked project: a diff
+whose context no longer matches the code fails there. When task.py, train.py, optim.py or checkpoint/common.py
+change, run
 
-    .venv/bin/python tools/readme_diffs.py           # --check: only say whether they are current (a test does)
+    .venv/bin/python tools/example_diffs.py           # --check: only say whether they are current (a test does)
 
 which bakes the default project, applies each recipe's edits below to its files and writes the resulting
-diffs into the README's ```diff blocks, in order. The edits are (old, new) replacements of whole lines.
+diffs into examples/<name>/change.diff. The edits are (old, new) replacements of whole lines.
 """
 # ruff: noqa: E501 - the recipes' lines are the project's, each inside a string
 
@@ -22,7 +22,7 @@ from pathlib import Path
 from cookiecutter.main import cookiecutter
 
 TEMPLATE = Path(__file__).resolve().parents[1]
-README = TEMPLATE / "{{cookiecutter.project_slug}}" / "README.md"
+EXAMPLES = TEMPLATE / "{{cookiecutter.project_slug}}" / "examples"
 PACKAGE = "ddp_training"  # the default bake's package name, written back as the Jinja variable
 EMA_CLASS = '''
 
@@ -446,7 +446,8 @@ LOSS_WEIGHT = {
     ],
 }
 
-RECIPES = [REGRESSION, TAGGER, AUC, ADVERSARIAL, TEACHER, EMA, TWO_OPTIMIZERS, LOSS_WEIGHT]  # the README's ```diff blocks, in order
+RECIPES = {"regression": REGRESSION, "dict-batches": TAGGER, "whole-set-metric": AUC, "gan": ADVERSARIAL,
+           "distillation": TEACHER, "ema": EMA, "two-optimizers": TWO_OPTIMIZERS, "loss-weight": LOSS_WEIGHT}
 
 
 def diff_of(project: Path, recipe: dict[str, list[tuple[str, str]]]) -> str:
@@ -472,23 +473,20 @@ def diff_of(project: Path, recipe: dict[str, list[tuple[str, str]]]) -> str:
 
 
 def main(check: bool = "--check" in sys.argv) -> None:
-    """Write the diffs; with --check, only say whether the README holds them already (exit 1 if not)."""
+    """Write the diffs; with --check, only say whether the examples hold them already (exit 1 if not)."""
     with tempfile.TemporaryDirectory() as folder:
         project = Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=folder))
-        diffs = [diff_of(project, recipe) for recipe in RECIPES]
-    text = README.read_text()
-    blocks = list(re.finditer(r"```diff\n(.*?)```", text, re.DOTALL))
-    if len(blocks) != len(diffs):
-        sys.exit(f"{README}: {len(blocks)} diff blocks, {len(diffs)} recipes")
-    for block, diff in reversed(list(zip(blocks, diffs, strict=True))):
-        text = text[:block.start(1)] + diff + text[block.end(1):]
+        diffs = {name: diff_of(project, recipe) for name, recipe in RECIPES.items()}
+    stale = [name for name, diff in diffs.items()
+             if not (EXAMPLES / name / "change.diff").exists() or (EXAMPLES / name / "change.diff").read_text() != diff]
     if check:
-        if text != README.read_text():
-            sys.exit(f"{README.relative_to(TEMPLATE)}: its diffs no longer match the template's code; run "
-                     "python tools/readme_diffs.py")
+        if stale:
+            sys.exit(f"examples {', '.join(stale)}: their diffs no longer match the template's code; run "
+                     "python tools/example_diffs.py")
         return
-    README.write_text(text)
-    print(f"{README.relative_to(TEMPLATE)}: {len(diffs)} diffs written")
+    for name in stale:
+        (EXAMPLES / name / "change.diff").write_text(diffs[name])
+    print(f"{EXAMPLES.relative_to(TEMPLATE)}: {len(stale)} of {len(diffs)} diffs written")
 
 
 if __name__ == "__main__":
