@@ -53,7 +53,7 @@ CHOICES = [
 
 
 def test_the_examples_diffs_match_the_code_they_edit():
-    # The examples' change.diff files are diffs of task.py, train.py, optim.py and checkpoint/common.py,
+    # The examples' change.diff files are diffs of task.py, train.py and optim.py,
     # regenerated from the template's sources by tools/example_diffs.py, which this runs in --check mode.
     result = run([sys.executable, "tools/example_diffs.py", "--check"], cwd=TEMPLATE_ROOT, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr

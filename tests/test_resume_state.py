@@ -106,8 +106,8 @@ def test_a_checkpoint_that_loads_but_does_not_match_the_code_stops_the_job(defau
 
 
 # State added to a job that already has checkpoints: a module whose buffer counts the steps (an EMA's shape).
-STEP_COUNTER = ("    progress = checkpointer.resume()\n",
-                "    progress = checkpointer.resume()\n"
+STEP_COUNTER = ("    progress = checkpointer.resume(TrainingProgress)  # the newest checkpoint's, or a fresh one\n",
+                "    progress = checkpointer.resume(TrainingProgress)\n"
                 "    assert int(step_counter.count) == (0 if resumed_fresh else progress.step)\n")
 
 

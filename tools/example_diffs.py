@@ -1,8 +1,7 @@
 """Regenerate the generated project's examples/<name>/change.diff from the template's own sources.
 
 Each example is a diff that users apply with `patch -p1`, and tests apply them to a freshly baked project: a diff
-whose context no longer matches the code fails there. When task.py, train.py, optim.py or checkpoint/common.py
-change, run
+whose context no longer matches the code fails there. When task.py, train.py or optim.py change, run
 
     .venv/bin/python tools/example_diffs.py           # --check: only say whether they are current (a test does)
 
@@ -432,12 +431,10 @@ TWO_OPTIMIZERS = {"PACKAGE/task.py": [
 ]}
 
 LOSS_WEIGHT = {
-    "PACKAGE/checkpoint/common.py": [
+    "train.py": [
         ("    samples_seen: int = 0  # global samples trained on in all, what the lr schedule follows\n",
          "    samples_seen: int = 0  # global samples trained on in all, what the lr schedule follows\n"
-         "    loss_weight: float = 1.0  # annealed in train.py\n"),
-    ],
-    "train.py": [
+         "    loss_weight: float = 1.0  # annealed after each step\n"),
         ("                        loss = task.compute_loss(training_model, batch, loss_step)  # the task runs the model\n",
          "                        loss = progress.loss_weight * task.compute_loss(training_model, batch, loss_step)\n"),
         ("            progress.advance(samples_per_step)\n",

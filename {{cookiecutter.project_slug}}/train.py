@@ -22,6 +22,7 @@ import contextlib
 import logging
 import math
 import sys
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -73,6 +74,35 @@ from {{ cookiecutter.package_name }}.watchdog import EXIT_CODE_AFTER_SIGTERM, St
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class TrainingProgress:
+    """Where the loop stands. Every field is saved in each checkpoint and restored on resume: a value the loop
+    keeps is one more field here (a job whose checkpoints lack it resumes once with --resume-changed-state)."""
+
+    step: int = 0  # optimizer steps completed
+    epoch: int = 0
+    samples_in_epoch: int = 0  # global samples (all ranks) of this epoch already trained on
+    samples_seen: int = 0  # global samples trained on in all, what the lr schedule follows
+    evaluation_due: bool = False  # an epoch's or the run's end, still to be evaluated (a SIGTERM cut it short)
+
+    def advance(self, samples_per_step: int) -> None:
+        self.step += 1
+        self.samples_in_epoch += samples_per_step
+        self.samples_seen += samples_per_step
+
+    def finished(self, epochs: int, max_steps: int | None, max_samples: int | None) -> bool:
+        """After --epochs, or --max-steps steps; a stream after `max_samples` (its --max-steps counted at the world
+        size it started with, so that a resize ends it where its lr schedule ends)."""
+        if max_samples is not None:
+            return self.epoch >= epochs or self.samples_seen >= max_samples
+        return self.epoch >= epochs or (max_steps is not None and self.step >= max_steps)
+
+    def next_epoch(self, eval_every: int) -> None:
+        self.epoch += 1
+        self.samples_in_epoch = 0
+        self.evaluation_due = eval_every > 0 and self.epoch % eval_every == 0
+
+
 def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device, store: StoreAddress | None) -> None:
     log.info("%s", describe_job(env, device))
     # From here on SIGTERM means "save and stop at the next step", and a rank that stops making progress is
@@ -119,7 +149,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     selection = ModelSelection(options, env)
     checkpointer = build_checkpointer(options, env, device, model=model, optimizer=optimizer,
                                       lr_schedule=lr_schedule, grad_scaler=amp, selection=selection, **stream)
-    progress = checkpointer.resume()
+    progress = checkpointer.resume(TrainingProgress)  # the newest checkpoint's, or a fresh one
     # A stream's run is a number of samples (--max-steps steps of its first world size), which a resize keeps.
     max_samples = lr_schedule.stream_samples  # None for a map-style set: --epochs, or --max-steps steps
     loss_step = LossStep(options, model, progress)  # what compute_loss may read: options, the plain model, the step
@@ -184,17 +214,20 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
             watchdog.beat(progress.step)
             if progress.step == first_step and check_replicas_match(model, progress.step):  # again at each save
                 log.info("step %d: every rank holds the same parameters", progress.step)
+            stop_requested = stop.agreed(watchdog.sigterm_received)  # SIGTERM reached some rank: same step on all
+            if stop_requested or progress.finished(options.epochs, options.max_steps, max_samples):
+                break  # saved below
             if progress.step % options.ckpt_every == 0:
                 with watchdog.slow_phase("saving a checkpoint"):
                     checkpointer.save(progress)
-            stop_requested = stop.agreed(watchdog.sigterm_received)  # SIGTERM reached some rank: same step on all
-            if stop_requested or progress.finished(options.epochs, options.max_steps, max_samples):
-                break  # to the exit above
         else:  # the epoch ran to its end
             progress.next_epoch(options.eval_every)  # its evaluation is due, every --eval-every epochs
             stop_requested = stop.agreed_now(watchdog.sigterm_received)  # not after a long evaluation
-        if options.eval_every and progress.finished(options.epochs, options.max_steps, max_samples):
-            progress.evaluation_due = True  # the run's end is evaluated, part-way through an epoch or not
+        finished = progress.finished(options.epochs, options.max_steps, max_samples)
+        if finished or stop_requested:
+            progress.evaluation_due |= finished and options.eval_every > 0  # the run's end, mid-epoch or not
+            with watchdog.slow_phase("saving a checkpoint"):
+                checkpointer.save(progress)  # before that evaluation: one that fails loses no training
 
     # meter.close() inside the phase, also on the SIGTERM exit: a tracker's last rows are sent within its limit.
     profiler.close()  # a run that ended inside the profiled steps still writes their trace
@@ -209,18 +242,22 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
 def main(argv: list[str] | None = None) -> None:
     env = crashes = None
     try:
+        # What torchrun sets for each process it starts: RANK (0..WORLD_SIZE-1, across machines), LOCAL_RANK (on
+        # this machine), WORLD_SIZE, and its restart count and run id; none set: one plain process, rank 0 of 1.
         env = DistEnv.from_environ()
         if usage_error_reported_under_this_torchrun(env):  # the same command again: the same error, already shown
             sys.exit(1)
         setup_logging(env)
         task = TASK  # everything task.py gives the package: its datasets, models, loss, evaluation
         options = parse_options(argv, task.options, task.training_defaults)
-        device = select_device(options.device, env)
+        device = select_device(options.device, env)  # cuda:LOCAL_RANK (never the global rank), or the CPU
         record_memory_history(options, device, env)  # --memory-snapshot: from before the model is built
         # Bad input fails here, on every rank, before any process group or download starts.
         task.check(options)
         check_checkpoint_dir(options.ckpt_dir)
         crashes = CrashRecord(options.ckpt_dir, env)
+        # The process group over all WORLD_SIZE ranks: NCCL on GPUs, gloo on CPUs, on a store made fresh for each
+        # torchrun attempt (pytorch/pytorch#135712); for one plain process, none.
         with distributed_session(env, device, timeout=options.collective_timeout()) as store:
             if crashes.known_bug_on_any_machine(device):  # found by an earlier attempt, nothing changed since
                 sys.exit(1)

@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -20,9 +20,6 @@ from .distributed import DistEnv
 from .options import TrainOptions
 from .parallel import whole
 from .trackers import TRACKERS, Tracker
-
-if TYPE_CHECKING:  # checkpoint/ stands on this module's neighbours, not on it
-    from .checkpoint import TrainingProgress
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +175,7 @@ class TrainingMeter:
         self.micro_batches += 1
         self.units += units
 
-    def end_step(self, progress: TrainingProgress, lr: float, grad_norm: torch.Tensor) -> None:
+    def end_step(self, progress: Any, lr: float, grad_norm: torch.Tensor) -> None:
         """After every optimizer step: where training stands now, the lr the step ran with, and the gradient
         norm before clipping (the same on every rank)."""
         self.grad_norm_sum += whole(grad_norm).detach().float()
@@ -188,7 +185,7 @@ class TrainingMeter:
         if progress.step % self.log_every == 0:
             self.log_and_reset(progress, lr)
 
-    def log_and_reset(self, progress: TrainingProgress, lr: float) -> None:
+    def log_and_reset(self, progress: Any, lr: float) -> None:
         """Log the mean loss over ranks and micro-batches since the last line (a collective)."""
         # Mean loss and total units over ranks, in one all-reduce.
         loss_sum, units = all_reduce(torch.stack([(self.loss_sum / max(self.micro_batches, 1)).double(),

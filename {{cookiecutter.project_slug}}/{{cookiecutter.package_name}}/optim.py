@@ -202,6 +202,9 @@ class TaskStep:
         loss = training_step(self, batches)
         if not isinstance(loss, torch.Tensor):
             raise UsageError(f"task.training_step returned {type(loss).__name__}; return the loss to log, a tensor")
+        if not self.stepped:  # the fp16 scaler, too, needs at least one optimizer stepped a step
+            raise UsageError(f"task.training_step updated no optimizer at step {number}; call step.update(...) for "
+                             "at least one in every step (skip a network's update with a condition on step.number)")
         for optimizer in self.optimizers.values():
             optimizer.zero_grad(set_to_none=True)
         norms = [whole(norm).float() for norm in self.grad_norms]  # one norm over every optimizer

@@ -100,9 +100,9 @@ class TrainOptions:
         1800, "the same for start-up (downloads, compilation, the first step), checkpoint I/O and evaluation")
     keep_best: str | None = option(
         None, "METRIC:min or METRIC:max (loss:min, accuracy:max: a metric the evaluation reports): after each "
-        "epoch's evaluation (--eval-every) that beats every one before, save a checkpoint, which retention never "
-        "deletes; CKPT_DIR/best.json names it and `export --best CKPT_DIR` writes it. The evaluation after a "
-        "--max-steps stop part-way through an epoch is not judged")
+        "epoch's evaluation (--eval-every), and the run's last one (at --epochs or --max-steps), that beats every "
+        "one before, save a checkpoint, which retention never deletes; CKPT_DIR/best.json names it and "
+        "`export --best CKPT_DIR` writes it")
     early_stop_patience: int | None = option(
         None, "with --keep-best: end training after this many evaluations in a row without a better metric "
         "(decided by rank 0 for every rank; a resumed job goes on counting)")

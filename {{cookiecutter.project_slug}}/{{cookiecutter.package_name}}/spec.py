@@ -57,7 +57,7 @@ class LossStep:
 
     options: TrainOptions
     model: nn.Module
-    progress: Any  # checkpoint.TrainingProgress: where training stands
+    progress: Any  # train.py's TrainingProgress: where training stands
 
     @property
     def number(self) -> int:

@@ -10,12 +10,12 @@ import torch
 from ..distributed import DistEnv
 from ..errors import UsageError
 from ..options import TrainOptions
-from .common import Checkpointer, TrainingProgress, check_checkpoint_dir
+from .common import Checkpointer, check_checkpoint_dir
 from .folder import list_checkpoints, list_sharded_checkpoints
 from .replicated import ReplicatedCheckpointer
 from .sharded import ShardedCheckpointer, missing_pieces
 
-__all__ = ["Checkpointer", "TrainingProgress", "build_checkpointer", "check_checkpoint_dir", "list_checkpoints",
+__all__ = ["Checkpointer", "build_checkpointer", "check_checkpoint_dir", "list_checkpoints",
            "list_sharded_checkpoints", "missing_pieces"]
 
 

@@ -1,6 +1,6 @@
-"""What both kinds of checkpoint share: where training stands (TrainingProgress), the checks on --ckpt-dir and
-on options changed since the checkpoint, the lease that keeps one job per folder, durable renames, and the
-save / resume protocol of a Checkpointer (its subclasses write and read the files)."""
+"""What both kinds of checkpoint share: the checks on --ckpt-dir and on options changed since the checkpoint,
+the lease that keeps one job per folder, durable renames, and the save / resume protocol of a Checkpointer (its
+subclasses write and read the files)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import asdict, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,36 +30,6 @@ from .folder import CONFIG_RECORD, LEASE_FILE, write_text
 
 log = logging.getLogger(__name__)
 BACKGROUND_WRITE = "checkpoint-write"  # the thread of an --async-save write, which a process lets finish
-
-
-@dataclass
-class TrainingProgress:
-    """Where training stands: what a resumed run needs besides weights and optimizer state. Every field is
-    saved and restored; a field you add is a new entry for checkpoints saved before it (--resume-changed-state)."""
-
-    step: int = 0  # optimizer steps completed
-    epoch: int = 0
-    samples_in_epoch: int = 0  # global samples (all ranks) of this epoch already trained on
-    samples_seen: int = 0  # global samples trained on in all, what the lr schedule follows
-    evaluation_due: bool = False  # the epoch that ended here is still to be evaluated (a SIGTERM cut it short)
-
-    def advance(self, samples_per_step: int) -> None:
-        """After an optimizer step of `samples_per_step` samples, all ranks together."""
-        self.step += 1
-        self.samples_in_epoch += samples_per_step
-        self.samples_seen += samples_per_step
-
-    def finished(self, epochs: int, max_steps: int | None, max_samples: int | None = None) -> bool:
-        """After --epochs, or --max-steps steps; a streamed run after `max_samples`, its --max-steps counted at
-        the world size it started with, so that a resize ends it where its lr schedule ends."""
-        if max_samples is not None:
-            return self.epoch >= epochs or self.samples_seen >= max_samples
-        return self.epoch >= epochs or (max_steps is not None and self.step >= max_steps)
-
-    def next_epoch(self, eval_every: int) -> None:
-        self.epoch += 1
-        self.samples_in_epoch = 0
-        self.evaluation_due = eval_every > 0 and self.epoch % eval_every == 0
 
 
 def check_checkpoint_dir(ckpt_dir: str) -> None:
@@ -221,6 +192,11 @@ def check_finite(model: torch.nn.Module, step: int) -> None:
                             "--clip-grad")
 
 
+# Names a checkpoint holds besides the components: no field of train.py's TrainingProgress may take one.
+RESERVED_NAMES = {"world_size", "entries", "options", "progress", "torch_rng_state", "cpu_rng_states",
+                  "cuda_rng_states"}
+
+
 class Checkpointer:
     """Saving and resuming, whichever files hold the state. `components` are what a checkpoint holds besides
     progress: anything with state_dict/load_state_dict (model, optimizer, lr schedule, gradient scaler). Add
@@ -241,15 +217,17 @@ class Checkpointer:
             raise UsageError("build_checkpointer needs the unwrapped model as model=...; name everything else as "
                              "you like")
         self.components = components
-        self.last_saved_step: int | None = None
+        self.progress_type: type | None = None  # train.py's TrainingProgress, which resume() is given first
+        self.last_saved: tuple | None = None  # what tells two saves of one step apart
         self._writing: threading.Thread | None = None  # --async-save's write in progress
         self._write_error: BaseException | None = None  # what it raised, for wait() to raise
 
-    def save(self, progress: TrainingProgress, wait: bool = False) -> None:
+    def save(self, progress: Any, wait: bool = False) -> None:
         """A collective: every rank saves at the same steps. `wait`: return only once the save is on disk
-        (--async-save otherwise writes in a thread while training goes on), as the last save of a job must."""
-        if progress.step != self.last_saved_step:  # e.g. the final save right after a periodic one
-            self.last_saved_step = progress.step
+        (--async-save otherwise writes in a thread while training goes on), as the last save of a job must.
+        A step saved already is saved again only if an evaluation changed what it holds since."""
+        if self.saved_as(progress) != self.last_saved:  # not, e.g., the final save right after a periodic one
+            self.last_saved = self.saved_as(progress)
             started = time.perf_counter()
             check_replicas_match(self.components["model"], progress.step)  # never save one rank's model of several
             check_finite(self.components["model"], progress.step)  # nor a NaN one
@@ -284,18 +262,30 @@ class Checkpointer:
             error, self._write_error = self._write_error, None
             raise error
 
+    def saved_as(self, progress: Any) -> tuple:
+        """What an evaluation changes without a step: the loop's progress (an evaluation due or done) and the state
+        of a component that judges evaluations (kept_step: the best checkpoint's). Alike on every rank."""
+        return asdict(progress), [component.state_dict() for component in self.components.values()
+                                  if hasattr(component, "kept_step")]
+
     def kept_steps(self) -> set[int]:
         """Steps whose checkpoints retention keeps besides the newest: a component's kept_step (the best one)."""
         return {step for component in self.components.values()
                 if (step := getattr(component, "kept_step", None)) is not None}
 
-    def resume(self) -> TrainingProgress:
-        """Load the newest valid checkpoint into the components (a collective); a fresh start if none."""
+    def resume(self, progress_type: type) -> Any:
+        """Load the newest valid checkpoint into the components (a collective) and return where the loop stood: a
+        `progress_type` (train.py's TrainingProgress, a dataclass) with its saved fields; a fresh one if none."""
+        self.progress_type = progress_type  # what each save writes the fields of, and a resume reads back
+        clashing = {spec.name for spec in fields(progress_type)} & (set(self.components) | RESERVED_NAMES)
+        if clashing:  # a DDP checkpoint is one flat dict: such a field would overwrite an entry, silently
+            raise UsageError(f"{progress_type.__name__} in train.py has a field named {', '.join(sorted(clashing))}, "
+                             "like a checkpoint entry; rename it")
         newest = self.find_newest()
         if newest is None:
             log.info("no valid checkpoint in %s; starting from scratch", self.ckpt_dir)
             self.record_config()
-            return TrainingProgress()
+            return progress_type()
         source, saved_options = newest
         self.changed_options = check_resumed_options(saved_options, self.options, source)
         entries, progress_fields = self.saved_entries(source)
@@ -311,9 +301,9 @@ class Checkpointer:
         restore_rng_states(state, self.env, self.device)
         self.record_config()  # once the resume was accepted: a refused one leaves the record as it was
         saved = state["progress"]
-        progress = TrainingProgress(**{spec.name: saved[spec.name] for spec in fields(TrainingProgress)
-                                       if spec.name in progress_fields})
-        self.last_saved_step = progress.step
+        progress = progress_type(**{spec.name: saved[spec.name] for spec in fields(progress_type)
+                                    if spec.name in progress_fields})
+        self.last_saved = self.saved_as(progress)
         log.info("resuming from %s (step %d, epoch %d, %d samples into the epoch, %d in all, saved by %d ranks)",
                  source, progress.step, progress.epoch, progress.samples_in_epoch, progress.samples_seen,
                  saved["world_size"])
@@ -334,7 +324,8 @@ class Checkpointer:
         added to or removed from build_checkpointer, a field added to TrainingProgress) loads but cannot be
         resumed exactly: stop with one line, unless --resume-changed-state says to go on without them."""
         new = sorted(self.components.keys() - entries) + [
-            f"TrainingProgress.{spec.name}" for spec in fields(TrainingProgress) if spec.name not in progress_fields]
+            f"{self.progress_type.__name__}.{spec.name}" for spec in fields(self.progress_type)
+            if spec.name not in progress_fields]
         gone = sorted(entries - self.components.keys())
         if not (new or gone):
             return set(self.components)
@@ -354,7 +345,7 @@ class Checkpointer:
 
     restored_by_read: frozenset[str] = frozenset()  # components read() restores itself
 
-    def write(self, progress: TrainingProgress) -> Path | None:
+    def write(self, progress: Any) -> Path | None:
         """Write this step (a collective); returns what was written, on the rank that logs it."""
         raise NotImplementedError
 
@@ -367,5 +358,5 @@ class Checkpointer:
 
     def read(self, source: Path, components: set[str]) -> dict:
         """The state of `source`: the named components' state_dicts, torch_rng_state, cpu_ and cuda_rng_states,
-        and progress (TrainingProgress's fields and world_size)."""
+        and progress (the fields of train.py's TrainingProgress, and world_size)."""
         raise NotImplementedError

@@ -10,6 +10,7 @@ import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,6 @@ from ..options import every_option
 from ..reproducibility import gather_rng_states
 from .common import (
     Checkpointer,
-    TrainingProgress,
     first_line,
     hold_checkpoint_folder,
 )
@@ -214,7 +214,7 @@ def copy_to_host(value):
     return value
 
 
-def training_state(components: dict, progress: TrainingProgress, world_size: int) -> dict:
+def training_state(components: dict, progress: Any, world_size: int) -> dict:
     """Only tensors and primitives, so it loads with weights_only=True."""
     return {
         # "model" is the unwrapped model: no "module." or "_orig_mod." prefix.
@@ -251,7 +251,7 @@ class ReplicatedCheckpointer(Checkpointer):
                 log.warning("removed %s, left by a save that was interrupted", leftover)
         self._newest_state: dict | None = None
 
-    def write(self, progress: TrainingProgress) -> Path | None:
+    def write(self, progress: Any) -> Path | None:
         rng_states = gather_rng_states(self.env, self.device)  # each rank's own, a collective
         if not self.is_writer:
             return None
@@ -293,7 +293,7 @@ class ReplicatedCheckpointer(Checkpointer):
 
     def saved_entries(self, source: Path) -> tuple[set[str], set[str]]:
         state = self._newest_state
-        progress_fields = {spec.name for spec in fields(TrainingProgress)} & set(state)
+        progress_fields = {spec.name for spec in fields(self.progress_type)} & set(state)
         if "entries" in state:
             return set(state["entries"]), progress_fields
         return set(state) - NOT_COMPONENTS - progress_fields, progress_fields  # saved before "entries" was

@@ -16,6 +16,7 @@ import threading
 import uuid
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,6 @@ from ..reproducibility import gather_rng_states
 from ..watchdog import recording_job_sockets
 from .common import (
     Checkpointer,
-    TrainingProgress,
     hold_checkpoint_folder,
 )
 from .folder import fsync_directory, list_sharded_checkpoints, write_json
@@ -113,7 +113,7 @@ class ShardedCheckpointer(Checkpointer):
         self._stager = reused_stager(device) if self._save_group is not None else None
         self._deleting: threading.Thread | None = None
 
-    def _state(self, progress: TrainingProgress, world_size: int) -> dict:
+    def _state(self, progress: Any, world_size: int) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         model = self.components["model"]
@@ -129,7 +129,7 @@ class ShardedCheckpointer(Checkpointer):
         return {**state, **gather_rng_states(self.env, self.device),
                 "progress": {**asdict(progress), "world_size": world_size}}
 
-    def write(self, progress: TrainingProgress) -> Path | None:
+    def write(self, progress: Any) -> Path | None:
         from torch.distributed import checkpoint as dcp
 
         self.wait()  # the previous save (--async-save), on every rank
@@ -223,7 +223,7 @@ class ShardedCheckpointer(Checkpointer):
         top_level, progress_fields = saved_names(metadata)
         # The shape to fill, less what the folder does not hold (DCP refuses a key it cannot find).
         # An empty state (a disabled gradient scaler) adds no key to a folder, and none to the load either.
-        state = {name: value for name, value in self._state(TrainingProgress(), world_size=0).items()
+        state = {name: value for name, value in self._state(self.progress_type(), world_size=0).items()
                  if (name in top_level or value == {}) and (name in components or name not in self.components)}
         state["progress"] = {name: value for name, value in state["progress"].items()
                              if name in progress_fields | {"world_size"}}
