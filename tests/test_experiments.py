@@ -57,11 +57,13 @@ def test_a_config_file_reproduces_a_run_whose_best_checkpoint_is_kept_and_which_
     assert {**recorded, "profile_steps": None, "log_dir": None} == resolved
     assert yaml.safe_load((uninterrupted / "config.yaml").read_text()) == recorded
 
-    # The same file with --ckpt-dir given on the command line, which wins; a worker killed after step 24's
-    # checkpoint, between the second evaluation (no better: patience 1 of 2) and the third.
-    job = start_job(default_project, ["--config", str(config), "--ckpt-dir", str(killed), "--ckpt-every", "8"],
+    # The same file with --ckpt-dir given on the command line, which wins, and a checkpoint every 10 steps: at
+    # each epoch's end, before its evaluation. A worker is killed after step 20's, and the resume evaluates step
+    # 20 (no better: patience 1 of 2). Step 30's checkpoint is written before its evaluation too, and again after
+    # it, to hold the early stop's count.
+    job = start_job(default_project, ["--config", str(config), "--ckpt-dir", str(killed), "--ckpt-every", "10"],
                     max_restarts=1)
-    output = kill_a_worker_and_finish(job, killed / "step-24.pt")
+    output = kill_a_worker_and_finish(job, killed / "step-20.pt")
     assert output.count("early stop: 2 evaluations without a better loss") == 1, output[-4000:]
     assert sorted(path.name for path in killed.glob("step-*")) == ["step-10.pt", "step-30.pt"]
     expected, resumed = checkpoint(uninterrupted, 30), checkpoint(killed, 30)
