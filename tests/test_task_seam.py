@@ -285,7 +285,7 @@ def apply_example(project: Path, name: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.starts_first  # two launches, one with a restart: among the longest
-def test_readme_dict_batch_example_trains_resumes_and_counts_words(bake, tmp_path):
+def test_the_dict_batch_example_trains_resumes_and_counts_words(bake, tmp_path):
     project = bake(project_name="Word Tags")
     apply_example(project, "dict-batches")
     assert "--data tagged --fake-samples 512 --batch-size 16 --model tagger" in " ".join(smoke_test_args(project))
@@ -314,7 +314,7 @@ TASK = dataclasses.replace(TASK, summarize=summarize)
 
 
 @pytest.mark.slow
-def test_readme_whole_set_metric_example_gathers_every_row_once(bake, tmp_path):
+def test_the_whole_set_metric_example_gathers_every_row_once(bake, tmp_path):
     # One launch: the example changes evaluation alone, and the training state it resumes is the default's.
     project = bake(project_name="Auc Check")
     apply_example(project, "whole-set-metric")
