@@ -170,8 +170,23 @@ def test_an_exception_without_a_message_still_makes_one_line(baked_module, tmp_p
     for error in (RuntimeError(), ValueError("\n\n"), OSError("  ")):
         line = str(common.checkpoint_mismatch(tmp_path / "step-4.pt", error))
         assert line == (f"{tmp_path / 'step-4.pt'} does not fit this model or optimizer ({type(error).__name__}); "
-                        "use another --ckpt-dir, or the options it was trained with"), line
+                        "use another --ckpt-dir, or the code and options it was trained with"), line
         assert failure.first_sentence(error) == type(error).__name__
+
+
+def test_a_checkpoint_that_does_not_fit_says_which_keys_and_shapes_in_one_line(baked_module, tmp_path):
+    import torch
+
+    common = baked_module("checkpoint.common")
+    saved = torch.nn.Sequential(torch.nn.Linear(4, 10), torch.nn.Linear(10, 3), torch.nn.Linear(3, 2)).state_dict()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.Linear(2, 3), torch.nn.Linear(3, 2))
+    try:
+        model.load_state_dict(saved)
+    except RuntimeError as error:
+        line = str(common.checkpoint_mismatch(tmp_path / "step-4.pt", error))
+    assert line == (f"{tmp_path / 'step-4.pt'} does not fit this model or optimizer (Error(s) in loading state_dict "
+                    "for Sequential: 0.weight: checkpoint [10, 4] vs model [2, 4]; 0.bias: checkpoint [10] vs model "
+                    "[2]; and 1 more); use another --ckpt-dir, or the code and options it was trained with"), line
 
 
 def test_a_model_with_a_nan_parameter_is_never_saved(baked_module):

@@ -184,6 +184,12 @@ def test_exported_safetensors_load_back_bitwise_as_the_readme_shows(default_proj
                                                                     baked_module, tmp_path, monkeypatch, capsys):
     baked_module("export").main([str(uninterrupted_bare / "step-40.pt"), str(tmp_path / "model.pt")])
     assert "to " + str(tmp_path / "model.pt") + ", model.safetensors and model.json" in capsys.readouterr().out
+    # Written with the mode a plain write gets, readable by whom the umask allows: each checkpoint and export
+    # file (an atomic write's temporary file, or safetensors' own, had left 0600).
+    umask = os.umask(0)
+    os.umask(umask)
+    for written in (uninterrupted_bare / "step-40.pt", *(tmp_path / f"model.{end}" for end in ("pt", "safetensors"))):
+        assert oct(written.stat().st_mode & 0o777) == oct(0o666 & ~umask), written
     saved = json.loads((tmp_path / "model.json").read_text())
     assert saved == {"step": 40, "task": {"data": "fake", "data_dir": "data", "data_files": "", "eval_files": "",
                                           "fake_samples": 512, "model": "small_cnn", "image_size": 16,

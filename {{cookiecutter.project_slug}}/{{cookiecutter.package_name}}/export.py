@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -129,6 +130,9 @@ def main(argv: list[str] | None = None) -> None:
     # "format": "pt" is what Hugging Face's loaders look for in a safetensors file written from torch.
     save_file(one_storage_each(weights), args.output.with_suffix(".safetensors"),
               metadata={"format": "pt", "step": str(step)})
+    umask = os.umask(0)  # read (one thread here): save_file leaves its file 0600, unlike a plain write
+    os.umask(umask)
+    args.output.with_suffix(".safetensors").chmod(0o666 & ~umask)  # readable by whom model.pt is
     task_options = {spec.name: options[spec.name] for spec in dataclasses.fields(TaskOptions) if spec.name in options}
     args.output.with_suffix(".json").write_text(json.dumps({"step": step, "task": task_options}, indent=1) + "\n")
     print(f"wrote {len(weights)} tensors ({sum(t.numel() for t in weights.values()):,} values) "

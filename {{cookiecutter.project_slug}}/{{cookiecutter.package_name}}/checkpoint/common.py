@@ -9,6 +9,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import socket
 import tempfile
 import threading
@@ -48,10 +49,22 @@ def first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+# torch's line for one tensor of another shape, in load_state_dict's error.
+SIZE_MISMATCH = re.compile(r"size mismatch for (\S+): copying a param with shape torch\.Size\((\[.*?\])\) from "
+                           r"checkpoint, the shape in current model is torch\.Size\((\[.*?\])\)")
+
+
 def checkpoint_mismatch(path: Path, error: Exception) -> UsageError:
-    """The one line for a checkpoint that loads but does not fit what this run built."""
-    return UsageError(f"{path} does not fit this model or optimizer ({first_line(error)}); "
-                      "use another --ckpt-dir, or the options it was trained with")
+    """The one line for a checkpoint that loads but does not fit what this run built: torch's first line and its
+    first two details (which key, which shapes), each shortened, and how many more."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    what = lines[0].rstrip(":") if lines else type(error).__name__
+    details = [f"{match[1]}: checkpoint {match[2]} vs model {match[3]}" if (match := SIZE_MISMATCH.search(line))
+               else line.rstrip(".")[:160] for line in lines[1:]]
+    if details:
+        what += ": " + "; ".join(details[:2]) + (f"; and {len(details) - 2} more" if len(details) > 2 else "")
+    return UsageError(f"{path} does not fit this model or optimizer ({what}); use another --ckpt-dir, or the code "
+                      "and options it was trained with")
 
 
 # What a changed option does to a resumed run, where that is not plain from its --help.

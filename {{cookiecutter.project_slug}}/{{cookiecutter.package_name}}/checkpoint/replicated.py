@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import tempfile
+import uuid
 import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields
@@ -42,7 +42,10 @@ def save_checkpoint_atomically(state: dict, path: Path) -> str | None:
     the file was not published, if it holds objects that torch.load(weights_only=True) would refuse: a
     checkpoint that cannot be resumed is no checkpoint.
     """
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    # Made with the mode a plain write gets (0666 less the umask), which the rename keeps: mkstemp's 0600 left
+    # every checkpoint unreadable to the teammates a shared folder is for.
+    temporary = str(path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp"))
+    handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(handle, "wb") as file:
             torch.save(state, file)
