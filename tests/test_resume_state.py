@@ -126,6 +126,9 @@ def test_new_state_starts_fresh_on_request_another_lr_is_scheduled_and_retention
     edited(project, "train.py", *STEP_COUNTER)
     edited(project, "train.py", "            progress.advance(", "            step_counter.count += 1\n"
                                                                   "            progress.advance(")
+    # A setting a flag decides (as a user's --weight-decay would): 5e-4 at the reference's --lr 0.01.
+    edited(project, "ddp_training/task.py", "momentum=0.9, weight_decay=5e-4)",
+           "momentum=0.9, weight_decay=options.lr / 20)")
 
     refused = launch_may_fail(project, ckpt_dir, one_process=True, max_steps=8)
     assert refused.returncode != 0 and "this code saves step_counter, which it lacks" in refused.stderr, \
@@ -141,6 +144,11 @@ def test_new_state_starts_fresh_on_request_another_lr_is_scheduled_and_retention
     reference = checkpoint(uninterrupted_bare, 8)["optimizer"]["param_groups"][0]["lr"]
     changed = state["optimizer"]["param_groups"][0]["lr"]
     assert changed == pytest.approx(2 * reference, rel=1e-12), (changed, reference)
+    # The optimizer's other settings are the ones this run built, not the checkpoint's (load_state_dict restores
+    # every param-group key), and the log says so.
+    assert state["optimizer"]["param_groups"][0]["weight_decay"] == 0.02 / 20
+    assert "the optimizer's settings are this run's, not the checkpoint's: weight_decay 0.0005 -> 0.001" \
+        in result.stderr, result.stderr[-3000:]
     assert int(state["step_counter"]["count"]) == 4, "started fresh at the resumed step"
     assert state["entries"] == ["grad_scaler", "lr_schedule", "model", "optimizer", "selection", "step_counter"]
     # The next restart restores it like any other entry, without the flag (here on one rank: 2 steps of 8).
@@ -172,6 +180,26 @@ def test_an_exception_without_a_message_still_makes_one_line(baked_module, tmp_p
         assert line == (f"{tmp_path / 'step-4.pt'} does not fit this model or optimizer ({type(error).__name__}); "
                         "use another --ckpt-dir, or the code and options it was trained with"), line
         assert failure.first_sentence(error) == type(error).__name__
+
+
+def test_a_resumed_optimizer_takes_the_settings_this_run_built_unless_it_is_not_torchs(baked_module):
+    import torch
+
+    optim = baked_module("optim")
+    weights = [torch.nn.Parameter(torch.ones(3))]
+
+    class ScheduleFree(torch.optim.AdamW):  # another package's optimizer, which may keep state in its groups
+        pass
+
+    for kind, expected in ((torch.optim.AdamW, (["weight_decay 0.5 -> 0.01"], [])),
+                           (ScheduleFree, ([], ["weight_decay"]))):
+        saved = kind(weights, lr=0.1, betas=(0.8, 0.9), weight_decay=0.5).state_dict()
+        saved["param_groups"][0]["betas"] = [0.8, 0.9]  # a list, as DCP gives it back: the same setting
+        optimizer = kind(weights, lr=0.2, betas=(0.8, 0.9), weight_decay=0.01)
+        built = optim.group_settings(optimizer)
+        optimizer.load_state_dict(saved)
+        assert optim.take_built_settings(optimizer, built) == expected
+        assert optimizer.param_groups[0]["weight_decay"] == (0.01 if kind is torch.optim.AdamW else 0.5)
 
 
 def test_a_checkpoint_that_does_not_fit_says_which_keys_and_shapes_in_one_line(baked_module, tmp_path):

@@ -84,6 +84,42 @@ def member_optimizers(optimizer: torch.optim.Optimizer) -> list[torch.optim.Opti
     return list(optimizer.optimizers.values()) if isinstance(optimizer, Optimizers) else [optimizer]
 
 
+def group_settings(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each param group's settings as they stand (weight_decay, betas, momentum, ...: all but its parameters and
+    the lr, which the schedule sets before every step)."""
+    return [{key: value for key, value in group.items() if key not in ("params", "lr")}
+            for group in optimizer.param_groups]
+
+
+def take_built_settings(optimizer: torch.optim.Optimizer, built: list[dict]) -> tuple[list[str], list[str]]:
+    """After a resume's load_state_dict, which restores every param-group key from the checkpoint: torch's own
+    optimizers take again the settings this run's code and flags `built` (their groups hold nothing else), so a
+    changed --weight-decay is the one trained with. Another optimizer may keep state of its own in its groups (a
+    schedule-free one's step count): it keeps the checkpoint's. Returns (settings changed back to the built ones,
+    as "weight_decay 0.0005 -> 0.5"; names of the others that differ from what was built)."""
+    torch_own = type(optimizer).__module__.startswith("torch.optim")
+    changed, kept = [], []
+    for index, (group, settings) in enumerate(zip(optimizer.param_groups, built, strict=True)):
+        for key, value in settings.items():
+            if key in group and not same_setting(group[key], value):
+                where = f"{key}{f' (group {index})' if len(built) > 1 else ''}"
+                if torch_own:
+                    changed.append(f"{where} {group[key]} -> {value}")
+                    group[key] = value
+                else:
+                    kept.append(where)
+    return changed, kept
+
+
+def same_setting(saved: Any, built: Any) -> bool:
+    """Equal as settings: a tuple saved as a list (betas, through DCP) is the same; tensors by value."""
+    if isinstance(saved, torch.Tensor) or isinstance(built, torch.Tensor):
+        return torch.equal(torch.as_tensor(saved), torch.as_tensor(built))
+    if isinstance(saved, list | tuple) and isinstance(built, list | tuple):
+        return len(saved) == len(built) and all(map(same_setting, saved, built))
+    return saved == built
+
+
 class NonFiniteGuard:
     """A NaN or inf loss on any rank, or gradient norm, is found before the optimizer step and handled the same
     way on every rank: the step is skipped (--skip-nonfinite N, up to N in a run) or the job stops, with one line

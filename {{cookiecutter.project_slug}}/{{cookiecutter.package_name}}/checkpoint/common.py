@@ -24,6 +24,7 @@ import torch
 from ..collectives import all_gather_objects, all_reduce, from_first_rank_with
 from ..distributed import DistEnv
 from ..errors import NonFiniteTraining, UsageError
+from ..optim import group_settings, member_optimizers, take_built_settings
 from ..options import TrainOptions, config_text, every_option, fixed_under_a_checkpoint, flag
 from ..parallel import check_replicas_match, sync_buffers_from_main
 from ..reproducibility import restore_rng_states
@@ -303,14 +304,23 @@ class Checkpointer:
         self.changed_options = check_resumed_options(saved_options, self.options, source)
         entries, progress_fields = self.saved_entries(source)
         restored = self.check_saved_entries(source, entries, progress_fields)
+        optimizers = [member for name, component in self.components.items() if name in restored
+                      and isinstance(component, torch.optim.Optimizer) for member in member_optimizers(component)]
+        built = [group_settings(optimizer) for optimizer in optimizers]  # before the load restores the saved ones
         try:
             state = self.read(source, restored)
             for name in self.components:  # in the order given, the same on every rank (a load may be a collective)
                 if name in restored and name not in self.restored_by_read:
                     self.components[name].load_state_dict(state[name])
             self.own_what_was_loaded(state)
+            settings = [take_built_settings(optimizer, settings) for optimizer, settings in zip(optimizers, built)]
         except (RuntimeError, ValueError, KeyError) as error:
             raise checkpoint_mismatch(source, error) from None
+        if changed := [change for changes, _ in settings for change in changes]:
+            log.info("the optimizer's settings are this run's, not the checkpoint's: %s", ", ".join(changed))
+        if kept := [key for _, keys in settings for key in keys]:
+            log.warning("the optimizer keeps the checkpoint's %s, which differ from what this run built: it may "
+                        "keep state of its own there", ", ".join(kept))
         restore_rng_states(state, self.env, self.device)
         self.record_config()  # once the resume was accepted: a refused one leaves the record as it was
         saved = state["progress"]
