@@ -313,7 +313,8 @@ class Checkpointer:
                 if name in restored and name not in self.restored_by_read:
                     self.components[name].load_state_dict(state[name])
             self.own_what_was_loaded(state)
-            settings = [take_built_settings(optimizer, settings) for optimizer, settings in zip(optimizers, built)]
+            settings = [take_built_settings(optimizer, as_built)
+                        for optimizer, as_built in zip(optimizers, built, strict=True)]
         except (RuntimeError, ValueError, KeyError) as error:
             raise checkpoint_mismatch(source, error) from None
         if changed := [change for changes, _ in settings for change in changes]:
