@@ -474,8 +474,9 @@ def main(check: bool = "--check" in sys.argv) -> None:
     with tempfile.TemporaryDirectory() as folder:
         project = Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=folder))
         diffs = {name: diff_of(project, recipe) for name, recipe in RECIPES.items()}
-    stale = [name for name, diff in diffs.items()
-             if not (EXAMPLES / name / "change.diff").exists() or (EXAMPLES / name / "change.diff").read_text() != diff]
+    written = {name: path.read_text() if (path := EXAMPLES / name / "change.diff").exists() else None
+               for name in diffs}
+    stale = [name for name, diff in diffs.items() if written[name] != diff]
     if check:
         if stale:
             sys.exit(f"examples {', '.join(stale)}: their diffs no longer match the template's code; run "

@@ -206,7 +206,8 @@ def check_finite(model: torch.nn.Module, step: int) -> None:
                             "--clip-grad")
 
 
-# Names a checkpoint holds besides the components: no field of train.py's TrainingProgress may take one.
+# Names a checkpoint holds besides the components and progress's fields (a DDP file at its top level, a DCP
+# folder's "progress" entry): no field of train.py's TrainingProgress may take one.
 RESERVED_NAMES = {"world_size", "entries", "options", "progress", "torch_rng_state", "cpu_rng_states",
                   "cuda_rng_states"}
 
@@ -240,8 +241,9 @@ class Checkpointer:
         """A collective: every rank saves at the same steps. `wait`: return only once the save is on disk
         (--async-save otherwise writes in a thread while training goes on), as the last save of a job must.
         A step saved already is saved again only if an evaluation changed what it holds since."""
-        if self.saved_as(progress) != self.last_saved:  # not, e.g., the final save right after a periodic one
-            self.last_saved = self.saved_as(progress)
+        saved_as = self.saved_as(progress)
+        if saved_as != self.last_saved:  # not, e.g., the final save right after a periodic one
+            self.last_saved = saved_as
             started = time.perf_counter()
             check_replicas_match(self.components["model"], progress.step)  # never save one rank's model of several
             check_finite(self.components["model"], progress.step)  # nor a NaN one

@@ -20,6 +20,7 @@ from ..errors import UsageError
 from ..options import every_option
 from ..reproducibility import gather_rng_states
 from .common import (
+    RESERVED_NAMES,
     Checkpointer,
     first_line,
     hold_checkpoint_folder,
@@ -66,7 +67,7 @@ def save_checkpoint_atomically(state: dict, path: Path) -> str | None:
 
 # What makes a file one of our checkpoints; which components it holds is checked on resume (common.py).
 FORMAT_KEYS = {"step", "epoch", "samples_in_epoch", "torch_rng_state"}
-NOT_COMPONENTS = FORMAT_KEYS | {"world_size", "cpu_rng_states", "cuda_rng_states", "options", "entries"}
+NOT_COMPONENTS = FORMAT_KEYS | RESERVED_NAMES
 
 
 def load_newest_valid(ckpt_dir: Path) -> tuple[tuple[Path, dict] | None, str | None]:
