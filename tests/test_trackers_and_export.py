@@ -139,6 +139,21 @@ def store_sizes(folder: Path) -> list[int]:
     return sizes
 
 
+def test_a_partial_store_left_under_this_process_id_is_made_anew(baked_module, tmp_path, monkeypatch):
+    # A container's restart can give the new rank the pid of the one killed while it made the store: its partial
+    # file then carries this process's own name, and opening it would meet half a database.
+    import socket
+
+    import mlflow
+
+    left = tmp_path / f".mlflow.db.partial-{socket.gethostname()}-{os.getpid()}"
+    left.write_bytes(b"half a database")
+    monkeypatch.setattr(mlflow, "get_tracking_uri", lambda: f"sqlite:///{tmp_path / 'mlflow.db'}")
+    baked_module("trackers").make_a_new_sqlite_store_whole(mlflow)
+    assert [path.name for path in tmp_path.iterdir()] == ["mlflow.db"]
+    assert mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").search_experiments()[0].name == "Default"
+
+
 @pytest.mark.slow
 def test_a_kill_while_a_new_mlflow_store_is_made_leaves_it_readable(default_project, tmp_path):
     # A fresh sqlite store takes MLflow a second or more of schema migrations to make, in rank 0's tracker thread

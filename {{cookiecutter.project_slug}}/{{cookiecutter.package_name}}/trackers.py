@@ -132,18 +132,26 @@ def make_a_new_sqlite_store_whole(mlflow) -> None:
     host = socket.gethostname()
     prefix = f".{path.name}.partial-{host}-"
     for stale in path.parent.glob(f"{prefix}*"):  # of a process here that was killed; sqlite's -journal too
-        with contextlib.suppress(ValueError, OSError):
-            try:
-                os.kill(int(stale.name.removeprefix(prefix).split("-", 1)[0]), 0)  # is its maker alive?
-            except ProcessLookupError:
-                stale.unlink()
-    partial = path.with_name(f".{path.name}.partial-{host}-{os.getpid()}")
+        maker = stale.name.removeprefix(prefix).split("-", 1)[0]
+        if maker.isdigit() and (int(maker) == os.getpid() or not process_exists(int(maker))):  # a pid reused
+            stale.unlink(missing_ok=True)  # by this process (a container's restart) names a killed one's too
+    partial = path.with_name(f"{prefix}{os.getpid()}")
     try:
         mlflow.MlflowClient(tracking_uri=f"sqlite:///{partial}").search_experiments()  # creates and migrates it
         with contextlib.suppress(FileExistsError):  # another job made it meanwhile: theirs is whole too
             os.link(partial, path)
     finally:
         partial.unlink(missing_ok=True)
+
+
+def process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # no signal: only whether there is such a process
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        pass
+    return True
 
 
 TRACKERS = {"wandb": WandbRun, "mlflow": MlflowRun}
