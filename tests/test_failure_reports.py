@@ -143,7 +143,7 @@ _compute_loss = compute_loss
 
 def compute_loss(model, batch, step):
     assert not hasattr(step.model, "module") and step.options.task.num_classes == 10  # plain model, options
-    loss = _compute_loss(model, batch)
+    loss = _compute_loss(model, batch, step)
     unlabelled = torch.zeros(0, device=loss.device)
     return loss + unlabelled.mean() if step.number == 6 and os.environ.get("RANK") == "1" else loss
 

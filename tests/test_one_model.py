@@ -38,7 +38,7 @@ def dataclass_cnn(options, train_set):
     return ReturnsDataclass(small_cnn(options, train_set))
 
 
-def compute_loss(model, batch):
+def compute_loss(model, batch, step):
     images, labels = batch
     output = model(images)
     return F.cross_entropy(getattr(output, "logits", output).float(), labels)

@@ -83,10 +83,6 @@ def test_a_frozen_module_left_out_of_checkpoints_and_a_spec_with_two_losses_are_
     spec, task, errors = baked_module("spec"), baked_module("task"), baked_module("errors")
     with pytest.raises(TypeError, match="compute_loss .* or training_step .*: one of the two"):
         spec.Task(**{**vars(task.TASK), "training_step": lambda step, batches: None})
-    # compute_loss(model, batch, step) gets the step; a third parameter with a default is the task's own
-    assert spec.takes_a_third_argument(lambda model, batch, step: 0)
-    assert spec.takes_a_third_argument(lambda *args: 0)
-    assert not spec.takes_a_third_argument(lambda model, batch, label_smoothing=0.1: 0)
 
     def distilled() -> nn.Module:
         torch.manual_seed(0)  # the teacher comes back the same, as from its own weights file
@@ -139,7 +135,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp_training.optim import MixedPrecision, NonFiniteGuard, TaskStep
+from ddp_training.optim import MixedPrecision, NonFiniteGuard, Step
 from ddp_training.parallel import wrap_networks
 
 dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:" + os.environ["PORT"])
@@ -147,7 +143,7 @@ cpu = torch.device("cpu")
 torch.manual_seed(0)
 model = nn.Module()
 model.generator, model.critic = nn.Linear(4, 4), nn.Linear(4, 1)
-networks = wrap_networks(model, cpu, "fsdp2")
+networks = wrap_networks(model, cpu, "fsdp2", one_by_one=True)
 optimizers = {name: torch.optim.SGD(getattr(model, name).parameters(), lr=0.1) for name in ("generator", "critic")}
 amp = MixedPrecision("fp32", cpu)
 
@@ -158,7 +154,7 @@ def update(optimizer, number):  # train.py's, less clipping and the non-finite c
     return torch.zeros(())
 
 
-step = TaskStep(networks, optimizers, amp, SimpleNamespace(), NonFiniteGuard(0, amp, cpu), update)
+step = Step(networks, model, optimizers, amp, SimpleNamespace(), NonFiniteGuard(0, amp, cpu), update)
 
 
 def generator_loss(networks, batch):

@@ -195,13 +195,13 @@ def tagger(options: TrainOptions, train_set: Dataset) -> nn.Module:
 
 
 ''' + BEFORE_SMALL_CNN),
-    ('''def compute_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one there. Add a
-    third parameter, `step`, for the options, the plain model and the step's number (spec.py's LossStep)."""
+    ('''def compute_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], step: Step) -> torch.Tensor:
+    """The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one. `step` (optim.py's
+    Step): its number (1 for the first), the options (the task's as step.options.task), the plain model."""
     return outputs_and_loss(model, batch)[1]
-''', '''def compute_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one there. Add a
-    third parameter, `step`, for the options, the plain model and the step's number (spec.py's LossStep)."""
+''', '''def compute_loss(model: nn.Module, batch: dict[str, torch.Tensor], step: Step) -> torch.Tensor:
+    """The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one. `step` (optim.py's
+    Step): its number (1 for the first), the options (the task's as step.options.task), the plain model."""
     return model(**batch).loss
 '''),
     ('''    outputs, loss = outputs_and_loss(model, batch)
@@ -270,9 +270,9 @@ IMAGE_LOSS = '''def outputs_and_loss(model: nn.Module, batch: tuple[torch.Tensor
     return outputs, F.cross_entropy(outputs, targets)
 
 
-def compute_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    \"\"\"The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one there. Add a
-    third parameter, `step`, for the options, the plain model and the step's number (spec.py's LossStep).\"\"\"
+def compute_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], step: Step) -> torch.Tensor:
+    \"\"\"The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one. `step` (optim.py's
+    Step): its number (1 for the first), the options (the task's as step.options.task), the plain model.\"\"\"
     return outputs_and_loss(model, batch)[1]
 '''
 IMAGE_EVALUATION_SUMS = '''    outputs, loss = outputs_and_loss(model, batch)
@@ -283,7 +283,6 @@ IMAGE_EVALUATION_SUMS = '''    outputs, loss = outputs_and_loss(model, batch)
 '''
 
 ADVERSARIAL = {"PACKAGE/task.py": [
-    ("from .options import TrainOptions, option\n", "from .optim import TaskStep\nfrom .options import TrainOptions, option\n"),
     (BEFORE_SMALL_CNN, '''NOISE = 32  # the generator's input
 
 
@@ -326,7 +325,7 @@ def generator_loss(networks, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.
     return F.binary_cross_entropy_with_logits(scores, torch.ones_like(scores))
 
 
-def training_step(step: TaskStep, batches: list) -> torch.Tensor:
+def training_step(step: Step, batches: list) -> torch.Tensor:
     \"\"\"The critic takes its step, then the generator, each on its own loss; the critic's is logged.\"\"\"
     critic = step.backward(critic_loss, batches)
     step.update("critic")
@@ -435,8 +434,8 @@ LOSS_WEIGHT = {
         ("    samples_seen: int = 0  # global samples trained on in all, what the lr schedule follows\n",
          "    samples_seen: int = 0  # global samples trained on in all, what the lr schedule follows\n"
          "    loss_weight: float = 1.0  # annealed after each step\n"),
-        ("                        loss = task.compute_loss(training_model, batch, loss_step)  # the task runs the model\n",
-         "                        loss = progress.loss_weight * task.compute_loss(training_model, batch, loss_step)\n"),
+        ("            return task.compute_loss(networks.model, batch, step)  # the task runs the model\n",
+         "            return progress.loss_weight * task.compute_loss(networks.model, batch, step)\n"),
         ("            progress.advance(samples_per_step)\n",
          "            progress.advance(samples_per_step)\n"
          "            progress.loss_weight = max(0.5, 0.98 * progress.loss_weight)  # halves over the first 35 steps\n"),

@@ -23,6 +23,7 @@ import logging
 import math
 import sys
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -51,23 +52,20 @@ from {{ cookiecutter.package_name }}.optim import (
     LearningRateSchedule,
     MixedPrecision,
     NonFiniteGuard,
-    TaskStep,
-    as_one_optimizer,
+    Step,
     planned_steps,
     resolve_precision,
 )
 from {{ cookiecutter.package_name }}.options import TrainOptions, parse_options
 from {{ cookiecutter.package_name }}.parallel import (
     check_replicas_match,
-    gradient_sync,
     uses_channels_last,
-    wrap_model,
     wrap_networks,
 )
 from {{ cookiecutter.package_name }}.profiling import StepProfiler, record_memory_history
 from {{ cookiecutter.package_name }}.reproducibility import seed_and_choose_kernels, seed_per_rank
 from {{ cookiecutter.package_name }}.selection import ModelSelection
-from {{ cookiecutter.package_name }}.spec import LossStep, Task
+from {{ cookiecutter.package_name }}.spec import Task
 from {{ cookiecutter.package_name }}.task import TASK
 from {{ cookiecutter.package_name }}.watchdog import EXIT_CODE_AFTER_SIGTERM, StopAgreement, Watchdog
 
@@ -117,19 +115,16 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     channels_last = uses_channels_last(model, device, options.channels_last)
     model = model.to(memory_format=torch.channels_last) if channels_last else model
     amp = MixedPrecision(resolve_precision(options.precision, device), device)
-    # Forward and backward through training_model (DDP or FSDP2, maybe compiled); save and evaluate `model`.
-    # A task with its own training_step gets the model's networks wrapped one by one instead.
-    wrap = wrap_networks if task.training_step else wrap_model
-    training_model = wrap(model, device, options.strategy, options.compile, param_dtype=amp.param_dtype,
-                          activation_checkpointing=options.activation_checkpointing)
-    # After wrapping: FSDP2 swaps in sharded parameters. Several named optimizers are stepped as one.
-    optimizers = task.build_optimizer(model, options)
-    optimizer = as_one_optimizer(optimizers)
+    # Forward and backward through `networks.model` (DDP or FSDP2, maybe compiled); save and evaluate `model`.
+    # A task with its own training_step gets the model's top-level networks wrapped one by one instead.
+    networks = wrap_networks(model, device, options.strategy, options.compile, amp.param_dtype,
+                             options.activation_checkpointing, one_by_one=task.training_step is not None)
+    optimizers = task.build_optimizer(model, options)  # after wrapping: FSDP2 swaps in sharded parameters
     nonfinite = NonFiniteGuard(options.skip_nonfinite, amp, device)  # a NaN loss stops the job (or is skipped)
 
     def update(optimizer: torch.optim.Optimizer, number: int) -> torch.Tensor:
-        """The optimizer step, written once: the loop's own, and each step.update() of a task's training_step.
-        Returns the gradient norm before clipping."""
+        """The optimizer step, each step.update() below or in a task's training_step. Returns the gradient norm
+        before clipping."""
         amp.scaler.unscale_(optimizer)  # true gradients for the norm and clipping (a no-op unless fp16)
         parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, options.clip_grad or math.inf)
@@ -138,8 +133,20 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
         optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
-    task_step = TaskStep(training_model, optimizers, amp, options, nonfinite, update) if task.training_step else None
-    step_batches = []  # the micro-batches of the step a task's training_step takes
+    def loss_step(step: Step, batches: list) -> torch.Tensor:
+        """The training step, unless the task gives its own: compute_loss's backward on each micro-batch (with
+        --grad-accum, gradients add up and are all-reduced on the last), then every optimizer's update."""
+        def loss_of(networks: SimpleNamespace, batch) -> torch.Tensor:
+            return task.compute_loss(networks.model, batch, step)  # the task runs the model
+
+        loss = step.backward(loss_of, batches)
+        step.update()
+        return loss
+
+    training_step = task.training_step or loss_step
+    step = Step(networks, model, optimizers, amp, options, nonfinite, update)  # what training_step is given
+    optimizer = step.optimizer  # every optimizer as one: scaled by the lr schedule, saved by checkpoints
+    step_batches = []  # the micro-batches of the next step
     samples_per_step = options.batch_size * options.grad_accum * env.world_size  # all ranks together
     # Over samples seen, not steps: a job resumed on another number of ranks continues the same curve.
     lr_schedule = LearningRateSchedule(optimizer, options, train_loader.samples_per_epoch, samples_per_step)
@@ -152,7 +159,6 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     progress = checkpointer.resume(TrainingProgress)  # the newest checkpoint's, or a fresh one
     # A stream's run is a number of samples (--max-steps steps of its first world size), which a resize keeps.
     max_samples = lr_schedule.stream_samples  # None for a map-style set: --epochs, or --max-steps steps
-    loss_step = LossStep(options, model, progress)  # what compute_loss may read: options, the plain model, the step
     profiler = StepProfiler(options, env, device, watchdog)  # --profile-steps
     profiler.before_step(progress.step + 1)
     first_step = progress.step + 1  # of this run
@@ -186,27 +192,13 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
             break  # the loop's one exit
         train_loader.start_epoch(progress.epoch, progress.samples_in_epoch)  # mid-epoch: at the next unseen sample
         for micro_step, batch in enumerate(meter.timed(train_loader), start=1):
-            batch = to_device(batch, device, channels_last)  # whatever task.collate made: tuple, dict, ...
-            last_micro_batch = micro_step % options.grad_accum == 0  # of this optimizer step
-            if task_step is not None:  # the task steps its optimizers itself: optim.py's TaskStep
-                step_batches.append(batch)
-                if not last_micro_batch:
-                    continue
-                lr = lr_schedule.set_lr(progress.samples_seen + samples_per_step / 2)  # at the step's middle
-                loss, grad_norm = task_step.run(task.training_step, step_batches, number=progress.step + 1)
-                meter.update(loss, sum(task.units_in_batch(micro_batch) for micro_batch in step_batches))
-                step_batches = []
-            else:
-                with gradient_sync(training_model, enabled=last_micro_batch):  # all-reduce on the last micro-step
-                    with amp.autocast():
-                        loss = task.compute_loss(training_model, batch, loss_step)  # the task runs the model
-                    amp.backward(loss / options.grad_accum)  # the mean over the step's micro-batches
-                meter.update(loss, task.units_in_batch(batch))
-                nonfinite.watch(loss)
-                if not last_micro_batch:
-                    continue
-                lr = lr_schedule.set_lr(progress.samples_seen + samples_per_step / 2)  # at the step's middle
-                grad_norm = update(optimizer, progress.step + 1)
+            step_batches.append(to_device(batch, device, channels_last))  # whatever task.collate made
+            if micro_step % options.grad_accum:
+                continue  # --grad-accum: more micro-batches to this step
+            lr = lr_schedule.set_lr(progress.samples_seen + samples_per_step / 2)  # at the step's middle
+            loss, grad_norm = step.run(training_step, step_batches, number=progress.step + 1)
+            meter.update(loss, sum(task.units_in_batch(micro_batch) for micro_batch in step_batches))
+            step_batches = []
             amp.scaler.update()  # once a step, after every optimizer stepped: the fp16 scale for the next
             progress.advance(samples_per_step)
             meter.end_step(progress, lr, grad_norm)

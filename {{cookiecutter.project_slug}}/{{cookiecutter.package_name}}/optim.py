@@ -1,7 +1,7 @@
 """Around the optimizer step: several optimizers stepped as one, mixed precision (autocast, and the gradient
 scaler fp16 needs), the learning-rate schedule (over samples seen: linear warmup, then cosine decay or
-constant), and TaskStep, for a task that steps its optimizers itself. The optimizers themselves are built in
-task.py; the step is written out in train.py."""
+constant), and Step, the optimizer step as compute_loss and a task's training_step see it. The optimizers
+themselves are built in task.py; the step is written out in train.py."""
 
 from __future__ import annotations
 
@@ -164,11 +164,16 @@ class NonFiniteGuard:
             f"with --skip-nonfinite {self.allowed + 1} to skip such steps")
 
 
-class TaskStep:
-    """What a task's training_step(step, batches) is given: its networks and optimizers by name, the options, and
-    the two calls that do what train.py's own step does.
+class Step:
+    """The optimizer step being taken, as the task sees it: compute_loss(model, batch, step) and a task's own
+    training_step(step, batches) are given this one object.
 
-        def training_step(step, batches):
+    number: the step's number (1 for the first); options: the run's (the task's own as options.task); model: the
+    plain model, for its attributes (the `model` compute_loss runs is wrapped: DDP, FSDP2, torch.compile);
+    networks: what is wrapped, by name (`networks.model`, or with a training_step each top-level module of the
+    model); optimizers: task.build_optimizer's, by name ("optimizer" for one). Two calls do the step's work:
+
+        def training_step(step, batches):   # a GAN: two networks stepped in turn, each on its own loss
             critic = step.backward(critic_loss, batches)  # critic_loss(step.networks, batch), each micro-batch
             step.update("critic")  # only the critic's parameters move
             step.backward(generator_loss, batches)
@@ -181,24 +186,27 @@ class TaskStep:
     one forward with gradients per backward (to score real and generated samples, concatenate them), and a
     network used without gradients (the generator in the critic's loss) runs under torch.no_grad(), not with
     its output .detach()ed, which leaves DDP waiting for a backward that never comes.
-    update(*names): those optimizers take train.py's optimizer step (its `update`), each in turn: gradients unscaled
-    (fp16), clipped (--clip-grad, over their parameters), checked (a NaN or inf loss or gradient norm: skipped or
-    the job stops; one small all-reduce and host sync per update), stepped, zeroed. Each optimizer once a step at
-    most (the fp16 gradient scaler's rule; a critic stepped five times per generator step takes five steps, the
-    generator's when step.number % 5 == 0). Gradients a backward left on a network whose optimizer did not step (the
-    critic's, from the generator's loss) are zeroed when the step ends. Every rank must call these in the same
-    order: they hold collectives."""
+    update(*names): those optimizers (none named: every one) take train.py's optimizer step (its `update`), each
+    in turn: gradients unscaled (fp16), clipped (--clip-grad, over their parameters), checked (a NaN or inf loss
+    or gradient norm: skipped or the job stops; one small all-reduce and host sync per update), stepped, zeroed.
+    Each optimizer once a step at most (the fp16 gradient scaler's rule; a critic stepped five times per
+    generator step takes five steps, the generator's when step.number % 5 == 0). Gradients a backward left on a
+    network whose optimizer did not step (the critic's, from the generator's loss) are zeroed when the step
+    ends. Every rank must call these in the same order: they hold collectives."""
 
-    def __init__(self, networks: SimpleNamespace, built: torch.optim.Optimizer | dict[str, torch.optim.Optimizer],
-                 amp: MixedPrecision, options: TrainOptions, nonfinite: NonFiniteGuard,
+    def __init__(self, networks: SimpleNamespace, model: torch.nn.Module,
+                 built: torch.optim.Optimizer | dict[str, torch.optim.Optimizer], amp: MixedPrecision,
+                 options: TrainOptions, nonfinite: NonFiniteGuard,
                  optimizer_step: Callable[[torch.optim.Optimizer, int], torch.Tensor]):
         self.networks = networks
-        self.options = options  # the task's own as options.task
+        self.model = model
+        self.options = options
         self.optimizers = built if isinstance(built, dict) else {"optimizer": built}  # task.build_optimizer's
+        self.optimizer = as_one_optimizer(built)  # all of them, stepped as one by update()
         self.amp = amp
         self.nonfinite = nonfinite
         self.optimizer_step = optimizer_step  # train.py's: (optimizer, step number) -> gradient norm
-        self.number = 0  # the optimizer step being taken: 1 for the first
+        self.number = 0
         self.grad_norms: list[torch.Tensor] = []
         self.stepped: set[str] = set()  # this step's
 
@@ -217,23 +225,26 @@ class TaskStep:
 
     def update(self, *names: str) -> None:
         unknown = [name for name in names if name not in self.optimizers]
-        if unknown or not names:
+        if unknown:
             raise UsageError(f"training_step: step.update({', '.join(map(repr, names))}): name optimizers that "
                              f"task.build_optimizer returned: {', '.join(self.optimizers)}")
-        for name in names:
-            if name in self.stepped:
-                raise UsageError(f"training_step: step.update({name!r}) twice in one step; an optimizer steps once a "
-                                 "step (the fp16 gradient scaler's rule): take more steps, updating it in each")
-            self.stepped.add(name)
-            self.grad_norms.append(self.optimizer_step(self.optimizers[name], self.number))
+        twice = self.stepped.intersection(names or self.optimizers)
+        if twice:
+            raise UsageError(f"training_step: step.update({sorted(twice)[0]!r}) twice in one step; an optimizer steps "
+                             "once a step (the fp16 gradient scaler's rule): take more steps, updating it in each")
+        # None named: every optimizer as one, clipped by one norm over all parameters (torch's usual clipping).
+        stepping = [self.optimizers[name] for name in names] if names else [self.optimizer]
+        self.stepped.update(names or self.optimizers)
+        for optimizer in stepping:
+            self.grad_norms.append(self.optimizer_step(optimizer, self.number))
         for network in vars(self.networks).values():
             network = getattr(network, "_orig_mod", network)  # under torch.compile
             if is_sharded(network):  # an FSDP2 root keeps its whole parameters after a forward without gradients
                 network.reshard()  # (no backward reshards it): its next forward would use them, not the stepped ones
 
-    def run(self, training_step: Callable[[TaskStep, list], torch.Tensor], batches: list, number: int
+    def run(self, training_step: Callable[[Step, list], torch.Tensor], batches: list, number: int
             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step by the task: (the loss it returned, the norm of all gradients it clipped)."""
+        """One optimizer step: (the loss training_step returned, the norm of all gradients it clipped)."""
         self.number, self.grad_norms, self.stepped = number, [], set()
         loss = training_step(self, batches)
         if not isinstance(loss, torch.Tensor):

@@ -54,13 +54,18 @@ def wrap_model(model: torch.nn.Module, device: torch.device, strategy: str = "dd
 
 
 def wrap_networks(model: nn.Module, device: torch.device, strategy: str = "ddp", compile_model: bool = False,
-                  param_dtype: torch.dtype | None = None, activation_checkpointing: str = "none") -> SimpleNamespace:
-    """For a task with its own training_step: each top-level module of `model` that has trained parameters
-    wrapped on its own (as wrap_model wraps a whole model), the others as they are, by name
-    (networks.generator). Networks stepped in turn each run their own forward and backward, and DDP all-reduces
-    a network's gradients only when its own forward ran before the backward (wrapping the whole model, the
-    network left out of a forward would stop the next step: DDP's unused-parameters error). The model itself
-    still holds the unwrapped networks: checkpoints and evaluation see it unchanged."""
+                  param_dtype: torch.dtype | None = None, activation_checkpointing: str = "none",
+                  one_by_one: bool = False) -> SimpleNamespace:
+    """What training runs forward and backward through, by name: the whole model wrapped (networks.model), or
+    with one_by_one (a task with its own training_step) each top-level module of `model` that has trained
+    parameters wrapped on its own, the others as they are (networks.generator). Networks stepped in turn each run
+    their own forward and backward, and DDP all-reduces a network's gradients only when its own forward ran before
+    the backward (wrapping the whole model, the network left out of a forward would stop the next step: DDP's
+    unused-parameters error). The model itself still holds the unwrapped networks: checkpoints and evaluation see it
+    unchanged."""
+    if not one_by_one:
+        return SimpleNamespace(model=wrap_model(model, device, strategy, compile_model, param_dtype,
+                                                activation_checkpointing))
     own = [name for name, parameter in model.named_parameters(recurse=False) if parameter.requires_grad]
     if own:
         raise UsageError(f"Task(training_step=...) trains the model's top-level modules, each wrapped on its own, "

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import inspect
 import logging
 import re
 from collections.abc import Callable
@@ -49,21 +48,6 @@ def say_samples_are_guessed(kind: str, count: int) -> None:
                 "units_in_batch(batch), and throughput_unit to count tokens", count, kind)
 
 
-@dataclass
-class LossStep:
-    """What compute_loss(model, batch, step) may read besides the model it runs: the options (the task's own as
-    options.task), the plain model, for its attributes (`model` itself is wrapped: DDP, FSDP2, torch.compile),
-    and the number of the optimizer step being taken (1 for the first)."""
-
-    options: TrainOptions
-    model: nn.Module
-    progress: Any  # train.py's TrainingProgress: where training stands
-
-    @property
-    def number(self) -> int:
-        return self.progress.step + 1
-
-
 @dataclass(frozen=True, kw_only=True)
 class Task:
     """What the package calls, each by keyword. A batch is whatever `collate` makes of a list of samples."""
@@ -72,9 +56,9 @@ class Task:
     datasets: dict[str, DatasetBuilder]  # --data name -> builder of (train, held-out) datasets
     models: dict[str, ModelBuilder]  # --model name -> builder
     build_optimizer: Callable[[nn.Module, TrainOptions], torch.optim.Optimizer | dict[str, torch.optim.Optimizer]]
-    # (model, batch) or (model, batch, step) -> the mean loss, minimised; None with a training_step (below).
-    # `step` (LossStep): the options and the plain model (`model` is wrapped: DDP, FSDP2, torch.compile).
-    compute_loss: Callable[..., torch.Tensor] | None = None
+    # (model, batch, step) -> the mean loss, minimised; None with a training_step (below). `model` is wrapped
+    # (DDP, FSDP2, torch.compile); `step` (optim.py's Step): its number, the options, the plain model.
+    compute_loss: Callable[[nn.Module, Any, Any], torch.Tensor] | None = None
     evaluation_sums: Callable[[nn.Module, Any], dict[str, Any]]  # (model, batch) -> sums over the batch
     summarize: Callable[[dict[str, Any], dict[str, torch.Tensor]], dict[str, float]]  # sums -> logged metrics
     smoke_test_args: list[str]  # the tiny run tests/ trains: keep it quick and learnable
@@ -97,7 +81,7 @@ class Task:
     training_defaults: dict[str, Any] = field(default_factory=dict)  # training options' defaults, e.g. {"lr": 3e-4}
     # A task that steps its optimizers itself (two networks stepped in turn, each on its own loss):
     # training_step(step, batches) takes the place of compute_loss and of train.py's backward and optimizer step,
-    # once per optimizer step with its --grad-accum micro-batches; `step` (optim.py's TaskStep) gives the networks
+    # once per optimizer step with its --grad-accum micro-batches; `step` (optim.py's Step) gives the networks
     # and optimizers and keeps what train.py's own step does (accumulation, mixed precision, clipping). It
     # returns the loss to log. The model's top-level modules are then wrapped (DDP, FSDP2) one by one.
     training_step: Callable[[Any, list], torch.Tensor] | None = None
@@ -109,9 +93,6 @@ class Task:
         if (self.compute_loss is None) == (self.training_step is None):
             raise TypeError("Task(...) takes compute_loss (train.py steps every optimizer) or training_step (the "
                             "task steps them itself): one of the two")
-        if self.compute_loss is not None and not takes_a_third_argument(self.compute_loss):
-            two = self.compute_loss  # compute_loss(model, batch): called as every other, with the step left out
-            object.__setattr__(self, "compute_loss", lambda model, batch, step: two(model, batch))
         if not dataclasses.is_dataclass(self.options):
             raise TypeError(f"Task(options=...) must be a dataclass of the task's flags, got {self.options!r}")
         if self.prepare_data and "data_dir" not in {f.name for f in dataclasses.fields(self.options)}:
@@ -155,16 +136,6 @@ class Task:
         table = "datasets" if kind == "data" else "models"
         return (f"--{kind} {name!r} is not in the task's {table}; {hint} To add it, write a builder and add "
                 f"{name!r}: <builder> to TASK's {table} in {self.options.__module__.replace('.', '/')}.py")
-
-
-def takes_a_third_argument(function: Callable) -> bool:
-    """Whether compute_loss takes (model, batch, step): a third positional parameter without a default (one with
-    a default, label_smoothing=0.1, is the task's own), or *args."""
-    parameters = list(inspect.signature(function).parameters.values())
-    positional = [parameter for parameter in parameters if parameter.kind in (inspect.Parameter.POSITIONAL_ONLY,
-                                                                               inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    return any(parameter.kind == inspect.Parameter.VAR_POSITIONAL for parameter in parameters) or (
-        len(positional) >= 3 and (positional[2].default is inspect.Parameter.empty or positional[2].name == "step"))
 
 
 def leave_out_of_checkpoints(model: nn.Module, *names: str) -> nn.Module:

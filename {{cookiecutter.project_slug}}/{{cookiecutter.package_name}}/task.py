@@ -6,11 +6,11 @@ defaults of those you leave out): a dataset builder named in its `datasets` is a
 builder in `models` by --model. A batch is whatever `collate` makes of a list of samples (by default torch's
 default_collate: here a tuple {% if cookiecutter.task == "image_classification" %}(images, labels){% else %}(tokens, next tokens){% endif %}); train.py calls
 
-    loss = compute_loss(model, batch)
+    loss = compute_loss(model, batch, step)
 
 and evaluation adds up evaluation_sums(model, batch) over the held-out split, then calls summarize. (A task
 that steps its optimizers itself, two networks trained in turn, gives TASK a training_step instead of
-compute_loss: see optim.py's TaskStep.)
+compute_loss: see optim.py's Step.)
 
 Random numbers: torch's generators start from --seed, the same on every rank while the model is built (every
 replica starts equal); then each rank's CPU and CUDA generators get a seed of their own, so torch.randn in a
@@ -41,6 +41,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from .errors import UsageError
+from .optim import Step
 from .options import TrainOptions, option
 from .spec import Task
 from .streaming import (
@@ -91,6 +92,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from .errors import UsageError
+from .optim import Step
 from .options import TrainOptions, option
 from .spec import Task
 from .streaming import (
@@ -275,9 +277,9 @@ def outputs_and_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor])
     return outputs, F.cross_entropy(outputs, targets)
 
 
-def compute_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one there. Add a
-    third parameter, `step`, for the options, the plain model and the step's number (spec.py's LossStep)."""
+def compute_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], step: Step) -> torch.Tensor:
+    """The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one. `step` (optim.py's
+    Step): its number (1 for the first), the options (the task's as step.options.task), the plain model."""
     return outputs_and_loss(model, batch)[1]
 
 
@@ -580,9 +582,9 @@ def logits_and_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) 
     return logits, F.cross_entropy(logits.flatten(0, 1), next_tokens.flatten())
 
 
-def compute_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one there. Add a
-    third parameter, `step`, for the options, the plain model and the step's number (spec.py's LossStep)."""
+def compute_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], step: Step) -> torch.Tensor:
+    """The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one. `step` (optim.py's
+    Step): its number (1 for the first), the options (the task's as step.options.task), the plain model."""
     return logits_and_loss(model, batch)[1]
 
 
