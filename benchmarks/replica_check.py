@@ -1,7 +1,7 @@
 """What the replica check costs, and what DDP's static_graph would save, on 2 CPU ranks (gloo).
 
 For resnet18 and resnet50 (torchvision, 32x32 inputs, batch 16 per rank, SGD): the median and spread of
-`parallel.check_replicas_match` of the baked project over 20 calls, and the median step time of 30 DDP steps
+`engine.replicas.check_replicas_match` of the baked project over 20 calls, and the median step time of 30 DDP steps
 with static_graph off (the template's choice) and on, in alternating rounds.
 
     .venv/bin/python benchmarks/replica_check.py [--rounds 3]
@@ -26,7 +26,7 @@ def worker(project: Path, model_name: str, rounds: int) -> None:
     import torch
     import torch.distributed as dist
     import torchvision
-    from ddp_training.parallel import check_replicas_match
+    from ddp_training.engine.replicas import check_replicas_match
     from torch.nn.parallel import DistributedDataParallel
 
     dist.init_process_group("gloo")

@@ -38,10 +38,13 @@ DEFAULT_FILES = {
       for file in ("README.md", "change.diff")),
     "tests/harness.py", "tests/test_smoke.py",
     *(f"ddp_training/{name}.py" for name in
+      ("__init__", "data", "evaluation", "export", "metrics", "optim", "options", "parallel", "preflight",
+       "profiling", "selection", "spec", "task", "trackers")),
+    # The engine: what every run uses, importing nothing around it.
+    *(f"ddp_training/engine/{name}.py" for name in
       ("__init__", "checkpoint/__init__", "checkpoint/common", "checkpoint/replicated", "checkpoint/sharded",
-       "checkpoint/folder", "collectives", "data", "distributed", "errors", "evaluation", "export", "failure",
-       "metrics", "optim", "options", "parallel", "preflight", "profiling", "reproducibility", "selection", "spec",
-       "streaming", "task", "trackers", "watchdog")),
+       "checkpoint/folder", "collectives", "distributed", "errors", "failure", "flags", "optimizers", "processes",
+       "replicas", "reproducibility", "streaming", "watchdog")),
 }
 
 # Every value class each answer admits; each is baked and checked.
@@ -105,7 +108,8 @@ def test_generated_pyproject_asks_for_any_recent_torch(default_project):
 def test_generated_project_builds_a_wheel_of_its_package(default_project, tmp_path):
     wheel = build_wheel(default_project, tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
-    assert {f"ddp_training/{name}.py" for name in ("options", "distributed", "checkpoint/__init__")} <= set(names)
+    assert {f"ddp_training/{name}.py" for name in ("options", "engine/distributed", "engine/checkpoint/__init__")
+            } <= set(names)
     # What the README says `pip install .` gives: the package, nothing else.
     assert {name.split("/")[0] for name in names} == {"ddp_training", "ddp_training-0.1.0.dist-info"}
     assert "`pip install .` (or the wheel `python -m build` makes) installs the `ddp_training` package" in \

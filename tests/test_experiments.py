@@ -126,7 +126,8 @@ def test_activation_checkpointing_recomputes_dropout_exactly(baked_module):
             super().__init__()
             self.norm = torch.nn.BatchNorm1d(4)
 
-    with pytest.raises(baked_module("errors").UsageError, match="block 0.1 holds BatchNorm 0.1.norm, whose running"):
+    usage_error = baked_module("engine.errors").UsageError
+    with pytest.raises(usage_error, match="block 0.1 holds BatchNorm 0.1.norm, whose running"):
         parallel.checkpoint_activations(torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(4, 4), Normed())),
                                         "full")
     plain, calls = gradients("none")

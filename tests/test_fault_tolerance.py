@@ -606,7 +606,7 @@ def test_with_steps_longer_than_the_report_window_the_stopped_rank_is_the_one_na
 def test_a_process_in_another_pid_namespace_is_never_taken_for_a_rank_of_this_one(default_project):
     # A frozen rank is ended by the identity it published; containers that share a hostname (host networking)
     # but not a pid namespace reuse the same pids, so hostname, pid and start time alone could name a stranger.
-    code = "import os; from ddp_training.watchdog import process_identity; print(process_identity(os.getpid()))"
+    code = "import os; from ddp_training.engine.processes import process_identity; print(process_identity(os.getpid()))"
     inside = run(["unshare", "--pid", "--fork", "--mount-proc", "python", "-c", code], cwd=default_project)
     outside = run(["python", "-c", code], cwd=default_project)
     assert inside.returncode == 0 and outside.returncode == 0, inside.stderr + outside.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import re
 import sys
@@ -160,8 +161,8 @@ def test_a_failed_download_stops_every_rank_instead_of_hanging(default_project, 
 
 SIGTERM_DURING_THE_FIRST_STEP = """
 import os, signal, time
-from ddp_training.distributed import DistEnv
-from ddp_training.watchdog import Watchdog
+from ddp_training.engine.distributed import DistEnv
+from ddp_training.engine.watchdog import Watchdog
 watchdog = Watchdog(DistEnv(), None, step_timeout=60, io_timeout=60)
 watchdog.beat(0)  # step 1 begins, and no step has been timed yet
 os.kill(os.getpid(), signal.SIGTERM)
@@ -185,8 +186,8 @@ def test_a_sigterm_before_the_first_timed_step_leaves_that_step_time_to_end(defa
 
 SLOW_FIRST_STEP_AFTER_THE_EVALUATION_CHECK = """
 import time
-from ddp_training.distributed import DistEnv
-from ddp_training.watchdog import Watchdog
+from ddp_training.engine.distributed import DistEnv
+from ddp_training.engine.watchdog import Watchdog
 watchdog = Watchdog(DistEnv(), None, step_timeout=1, io_timeout=60)
 with watchdog.slow_phase("checking evaluation on one batch"):  # train.py's, before the first step
     pass
@@ -211,8 +212,8 @@ def test_on_nccl_the_hang_report_uses_torchs_flight_recorder(baked_train, tmp_pa
     # NCCL collectives return once queued, so a healthy rank's stack is not "waiting for others" and cannot
     # name the stopped rank; torch's flight recorder, dumped on every rank when one times out, can.
     import torch
-    from ddp_training.distributed import DistEnv
-    from ddp_training.watchdog import hang_summary, nccl_flight_recorder_settings
+    from ddp_training.engine.distributed import DistEnv, nccl_flight_recorder_settings
+    from ddp_training.engine.watchdog import hang_summary
 
     monkeypatch.chdir(tmp_path)
     job = DistEnv(run_id="job 1/a")  # two jobs started from one folder keep their own reports
@@ -246,9 +247,9 @@ def test_a_lost_peer_or_a_taken_port_is_one_line_that_says_what_happens_next(bak
                                                                              restart_count, max_restarts, then):
     # Plain torchrun restarts nothing unless given --max-restarts: a line promising a restart would mislead.
     import torch.distributed as dist
-    from ddp_training import failure
-    from ddp_training.distributed import DistEnv, PortTaken
-    from ddp_training.failure import end_attempt_after
+    from ddp_training.engine import failure
+    from ddp_training.engine.distributed import DistEnv, PortTaken
+    from ddp_training.engine.failure import end_attempt_after
 
     # A lost peer's process exits at once (os._exit, after its background write and atexit handlers): here, in
     # the test's own process, as sys.exit. The kill -9 tests end real ranks that way.
@@ -277,7 +278,7 @@ def test_only_an_error_raised_in_the_projects_own_files_and_no_machine_fault_can
     import torch
     import torch.distributed as dist
 
-    failure = baked_module("failure")
+    failure = baked_module("engine.failure")
 
     def raised_in(path: Path, statement: str) -> BaseException:
         try:
@@ -288,6 +289,11 @@ def test_only_an_error_raised_in_the_projects_own_files_and_no_machine_fault_can
 
     task, train = default_project / "ddp_training" / "task.py", default_project / "train.py"
     library = Path(torch.__file__).parent / "nn" / "functional.py"
+    # A bug is reported as known until the code changes: the code is train.py and the whole package, the engine
+    # (where failure.py lives) and task.py alike.
+    every_file = sorted([train, *(default_project / "ddp_training").rglob("*.py")])
+    assert task in every_file and failure.code_hash() == hashlib.sha256(
+        b"".join(path.read_bytes() for path in every_file)).hexdigest()[:16]
     assert failure.could_be_a_bug(raised_in(task, "1 / 0"))
     assert failure.could_be_a_bug(raised_in(train, "raise ValueError('bad shape')"))
     assert not failure.could_be_a_bug(raised_in(library, "raise ValueError('bad shape')")), "not the project's code"
@@ -310,7 +316,7 @@ def test_only_a_torn_checkpoint_is_set_aside_and_any_other_that_fails_stops_the_
                                                                                      monkeypatch):
     import torch
 
-    replicated = baked_module("checkpoint.replicated")
+    replicated = baked_module("engine.checkpoint.replicated")
     state = {"step": 3, "epoch": 0, "samples_in_epoch": 48, "torch_rng_state": torch.get_rng_state()}
     torch.save(state, tmp_path / "step-3.pt")
     whole = (tmp_path / "step-3.pt").read_bytes()
@@ -335,7 +341,7 @@ def test_only_a_torn_checkpoint_is_set_aside_and_any_other_that_fails_stops_the_
 
 
 def test_a_sharded_step_moved_aside_by_an_interrupted_publish_is_put_back(baked_module, tmp_path):
-    sharded = baked_module("checkpoint.sharded")
+    sharded = baked_module("engine.checkpoint.sharded")
     # Killed after moving the old step-8 aside, before the new one was renamed in: the old one goes back.
     (tmp_path / ".step-8.stale-1f").mkdir()
     (tmp_path / ".step-8.stale-1f" / ".metadata").write_text("old step 8")

@@ -121,7 +121,7 @@ def test_new_state_starts_fresh_on_request_another_lr_is_scheduled_and_retention
     edited(project, "train.py", "    checkpointer = build_checkpointer(",
            "    step_counter = torch.nn.Module()\n"
            "    step_counter.register_buffer('count', torch.zeros((), dtype=torch.int64))\n"
-           "    resumed_fresh = options.resume_changed_state\n"
+           "    resumed_fresh = options.checkpoint.resume_changed_state\n"
            "    checkpointer = build_checkpointer(")
     edited(project, "train.py", *STEP_COUNTER)
     edited(project, "train.py", "            progress.advance(", "            step_counter.count += 1\n"
@@ -174,7 +174,7 @@ def test_state_that_weights_only_loading_refuses_is_not_saved_and_stops_the_job(
 
 def test_an_exception_without_a_message_still_makes_one_line(baked_module, tmp_path):
     # A load failure, or a lost peer, whose exception says nothing: the line names its type instead.
-    common, failure = baked_module("checkpoint.common"), baked_module("failure")
+    common, failure = baked_module("engine.checkpoint.common"), baked_module("engine.failure")
     for error in (RuntimeError(), ValueError("\n\n"), OSError("  ")):
         line = str(common.checkpoint_mismatch(tmp_path / "step-4.pt", error))
         assert line == (f"{tmp_path / 'step-4.pt'} does not fit this model or optimizer ({type(error).__name__}); "
@@ -185,7 +185,7 @@ def test_an_exception_without_a_message_still_makes_one_line(baked_module, tmp_p
 def test_a_resumed_optimizer_takes_the_settings_this_run_built_unless_it_is_not_torchs(baked_module):
     import torch
 
-    optim = baked_module("optim")
+    optim = baked_module("engine.optimizers")
     weights = [torch.nn.Parameter(torch.ones(3))]
 
     class ScheduleFree(torch.optim.AdamW):  # another package's optimizer, which may keep state in its groups
@@ -205,7 +205,7 @@ def test_a_resumed_optimizer_takes_the_settings_this_run_built_unless_it_is_not_
 def test_a_checkpoint_that_does_not_fit_says_which_keys_and_shapes_in_one_line(baked_module, tmp_path):
     import torch
 
-    common = baked_module("checkpoint.common")
+    common = baked_module("engine.checkpoint.common")
     saved = torch.nn.Sequential(torch.nn.Linear(4, 10), torch.nn.Linear(10, 3), torch.nn.Linear(3, 2)).state_dict()
     model = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.Linear(2, 3), torch.nn.Linear(3, 2))
     try:
@@ -220,7 +220,7 @@ def test_a_checkpoint_that_does_not_fit_says_which_keys_and_shapes_in_one_line(b
 def test_a_model_with_a_nan_parameter_is_never_saved(baked_module):
     import torch
 
-    common, errors = baked_module("checkpoint.common"), baked_module("errors")
+    common, errors = baked_module("engine.checkpoint.common"), baked_module("engine.errors")
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
     common.check_finite(model, 7)  # finite: nothing to say
     with torch.no_grad():
@@ -238,7 +238,7 @@ def test_a_model_with_a_nan_parameter_is_never_saved(baked_module):
 SEND_TENSOR_BY_TENSOR = """
 import torch
 import torch.distributed as dist
-from ddp_training.checkpoint.replicated import broadcast_tensor_by_tensor
+from ddp_training.engine.checkpoint.replicated import broadcast_tensor_by_tensor
 
 dist.init_process_group("gloo")
 torch.manual_seed(0)

@@ -115,7 +115,7 @@ def package_modules(project: Path, *names: str) -> list:
 
 def every_window(project: Path, corpus: Path, tokenizer: Path | None = None) -> set[str]:
     """The corpus's windows as the baked task cuts them, read here in one process."""
-    task, streaming = package_modules(project, "task", "streaming")
+    task, streaming = package_modules(project, "task", "engine.streaming")
     pieces = streaming.file_pieces(streaming.expand_files(str(corpus / "train-*"), "--data-files"), 16 * 2**20)
     return {f"{number}:{index}" for number, piece in enumerate(pieces)
             for index, _ in enumerate(task.text_windows(piece, BLOCK, str(tokenizer or "")))}
@@ -258,7 +258,7 @@ def one_sample_per_piece(piece: tuple):
 
 
 def bad_second_piece(piece: tuple):
-    from streamed_lm.errors import UsageError  # imported by the test, inherited by the forked loader worker
+    from streamed_lm.engine.errors import UsageError  # imported by the test, inherited by the forked loader worker
 
     if piece[2] == 1:
         raise UsageError(f"piece {piece[2]} is bad")
@@ -267,7 +267,8 @@ def bad_second_piece(piece: tuple):
 
 def test_stream_plans_and_positions_refuse_what_cannot_work_on_every_rank_alike(stream_project):
     # In this process, without a process group: each rank's view of the plan, as torchrun would start it.
-    streaming, distributed, errors = package_modules(stream_project, "streaming", "distributed", "errors")
+    streaming, distributed, errors = package_modules(stream_project, "engine.streaming", "engine.distributed",
+                                                     "engine.errors")
 
     def loader(pieces: int, workers: int, rank: int = 0, world_size: int = 2, read=one_sample_per_piece):
         dataset = streaming.StreamedDataset(pieces=[("a", 0, piece) for piece in range(pieces)], read=read)

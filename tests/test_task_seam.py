@@ -80,7 +80,7 @@ def test_a_frozen_module_left_out_of_checkpoints_and_a_spec_with_two_losses_are_
     import torch
     from torch import nn
 
-    spec, task, errors = baked_module("spec"), baked_module("task"), baked_module("errors")
+    spec, task, errors = baked_module("spec"), baked_module("task"), baked_module("engine.errors")
     with pytest.raises(TypeError, match="compute_loss .* or training_step .*: one of the two"):
         spec.Task(**{**vars(task.TASK), "training_step": lambda step, batches: None})
 

@@ -402,12 +402,13 @@ EMA = {
     "PACKAGE/optim.py": [("END", EMA_CLASS)],
     "train.py": [
         ("from PACKAGE.optim import (\n", "from PACKAGE.optim import (\n    ExponentialMovingAverage,\n"),
-        ('''    checkpointer = build_checkpointer(options, env, device, model=model, optimizer=optimizer,
-                                      lr_schedule=lr_schedule, grad_scaler=amp, selection=selection, **stream)
+        ('''                                      lr_schedule=lr_schedule, grad_scaler=amp, selection=selection, **stream)
+''', '''                                      lr_schedule=lr_schedule, grad_scaler=amp, selection=selection, **stream,
+                                      ema=ema)
+'''),
+        ('''    checkpointer = build_checkpointer(options.checkpoint, recorded(options), env, device,
 ''', '''    ema = ExponentialMovingAverage(model, decay=0.99)  # what each epoch's evaluation uses
-    checkpointer = build_checkpointer(options, env, device, model=model, optimizer=optimizer,
-                                      lr_schedule=lr_schedule, grad_scaler=amp, ema=ema, selection=selection,
-                                      **stream)
+    checkpointer = build_checkpointer(options.checkpoint, recorded(options), env, device,
 '''),
         ('            with watchdog.slow_phase("evaluating"):\n',
          '            with watchdog.slow_phase("evaluating"), ema.swapped_into(model):\n'),

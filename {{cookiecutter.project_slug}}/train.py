@@ -9,7 +9,7 @@ r"""Train the model of {{ cookiecutter.package_name }}/task.py with DDP or FSDP2
 
 Every flag: `python train.py --help`. Restarted by torchrun, a scheduler or you, training resumes from the
 newest checkpoint in --ckpt-dir. The loop below is yours to edit; torchrun details live in
-{{ cookiecutter.package_name }}/distributed.py.
+{{ cookiecutter.package_name }}/engine/distributed.py.
 """
 
 import gc
@@ -28,9 +28,9 @@ from types import SimpleNamespace
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from {{ cookiecutter.package_name }}.checkpoint import build_checkpointer, check_checkpoint_dir
 from {{ cookiecutter.package_name }}.data import build_loaders, to_device
-from {{ cookiecutter.package_name }}.distributed import (
+from {{ cookiecutter.package_name }}.engine.checkpoint import build_checkpointer, check_checkpoint_dir
+from {{ cookiecutter.package_name }}.engine.distributed import (
     DistEnv,
     StoreAddress,
     describe_job,
@@ -39,14 +39,17 @@ from {{ cookiecutter.package_name }}.distributed import (
     setup_logging,
     side_group,
 )
-from {{ cookiecutter.package_name }}.errors import UsageError
-from {{ cookiecutter.package_name }}.evaluation import evaluate
-from {{ cookiecutter.package_name }}.failure import (
+from {{ cookiecutter.package_name }}.engine.errors import UsageError
+from {{ cookiecutter.package_name }}.engine.failure import (
     CrashRecord,
     end_attempt_after,
     end_job_for_usage_error,
     usage_error_reported_under_this_torchrun,
 )
+from {{ cookiecutter.package_name }}.engine.replicas import check_replicas_match
+from {{ cookiecutter.package_name }}.engine.reproducibility import seed_and_choose_kernels, seed_per_rank
+from {{ cookiecutter.package_name }}.engine.watchdog import EXIT_CODE_AFTER_SIGTERM, StopAgreement, Watchdog
+from {{ cookiecutter.package_name }}.evaluation import evaluate
 from {{ cookiecutter.package_name }}.metrics import build_meter
 from {{ cookiecutter.package_name }}.optim import (
     LearningRateSchedule,
@@ -56,18 +59,12 @@ from {{ cookiecutter.package_name }}.optim import (
     planned_steps,
     resolve_precision,
 )
-from {{ cookiecutter.package_name }}.options import TrainOptions, parse_options
-from {{ cookiecutter.package_name }}.parallel import (
-    check_replicas_match,
-    uses_channels_last,
-    wrap_networks,
-)
+from {{ cookiecutter.package_name }}.options import TrainOptions, parse_options, recorded
+from {{ cookiecutter.package_name }}.parallel import uses_channels_last, wrap_networks
 from {{ cookiecutter.package_name }}.profiling import StepProfiler, record_memory_history
-from {{ cookiecutter.package_name }}.reproducibility import seed_and_choose_kernels, seed_per_rank
 from {{ cookiecutter.package_name }}.selection import ModelSelection
 from {{ cookiecutter.package_name }}.spec import Task
 from {{ cookiecutter.package_name }}.task import TASK
-from {{ cookiecutter.package_name }}.watchdog import EXIT_CODE_AFTER_SIGTERM, StopAgreement, Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -105,13 +102,13 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     log.info("%s", describe_job(env, device))
     # From here on SIGTERM means "save and stop at the next step", and a rank that stops making progress is
     # ended (with its stack logged) so that torchrun restarts the group.
-    watchdog = Watchdog(env, store, step_timeout=options.step_timeout, io_timeout=options.io_timeout)
+    watchdog = Watchdog(env, store, options.watchdog.step_timeout, options.watchdog.io_timeout)
     stop = StopAgreement(side_group())
-    seed_and_choose_kernels(options, env, device)  # --seed; cuDNN autotuning
+    seed_and_choose_kernels(options.seed, options.deterministic, env, device)  # cuDNN autotuning, or not
     train_set, eval_set = task.build_datasets(options, env, device)
     train_loader, eval_loader = build_loaders(train_set, eval_set, options, env, device, task.collate)
     model = task.build_model(options, train_set).to(device)
-    seed_per_rank(options, env, device)  # the model is the same everywhere; now each rank draws its own numbers
+    seed_per_rank(options.seed, env, device)  # the model is the same everywhere; now each rank draws its own numbers
     channels_last = uses_channels_last(model, device, options.channels_last)
     model = model.to(memory_format=torch.channels_last) if channels_last else model
     amp = MixedPrecision(resolve_precision(options.precision, device), device)
@@ -153,13 +150,14 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     # A streamed training set's position is the job's, not a step count: it is saved with the rest.
     stream = {"stream_position": train_loader} if train_loader.streamed else {}
     # --keep-best, --early-stop-patience: the best evaluation so far, and how many came after it.
-    selection = ModelSelection(options, env)
-    checkpointer = build_checkpointer(options, env, device, model=model, optimizer=optimizer,
+    selection = ModelSelection(options.selection, options.checkpoint.ckpt_dir, env)
+    checkpointer = build_checkpointer(options.checkpoint, recorded(options), env, device,
+                                      sharded=options.strategy == "fsdp2", model=model, optimizer=optimizer,
                                       lr_schedule=lr_schedule, grad_scaler=amp, selection=selection, **stream)
     progress = checkpointer.resume(TrainingProgress)  # the newest checkpoint's, or a fresh one
     # A stream's run is a number of samples (--max-steps steps of its first world size), which a resize keeps.
     max_samples = lr_schedule.stream_samples  # None for a map-style set: --epochs, or --max-steps steps
-    profiler = StepProfiler(options, env, device, watchdog)  # --profile-steps
+    profiler = StepProfiler(options.profiling, options.logging.log_dir, env, device, watchdog)  # --profile-steps
     profiler.before_step(progress.step + 1)
     first_step = progress.step + 1  # of this run
     if options.eval_every:  # one held-out batch now, so a bug in the evaluation path shows before training
@@ -209,7 +207,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
             stop_requested = stop.agreed(watchdog.sigterm_received)  # SIGTERM reached some rank: same step on all
             if stop_requested or progress.finished(options.epochs, options.max_steps, max_samples):
                 break  # saved below
-            if progress.step % options.ckpt_every == 0:
+            if progress.step % options.checkpoint.ckpt_every == 0:
                 with watchdog.slow_phase("saving a checkpoint"):
                     checkpointer.save(progress)
         else:  # the epoch ran to its end
@@ -243,14 +241,14 @@ def main(argv: list[str] | None = None) -> None:
         task = TASK  # everything task.py gives the package: its datasets, models, loss, evaluation
         options = parse_options(argv, task.options, task.training_defaults)
         device = select_device(options.device, env)  # cuda:LOCAL_RANK (never the global rank), or the CPU
-        record_memory_history(options, device, env)  # --memory-snapshot: from before the model is built
+        record_memory_history(options.profiling, options.logging.log_dir, device, env)  # from before the model is built
         # Bad input fails here, on every rank, before any process group or download starts.
         task.check(options)
-        check_checkpoint_dir(options.ckpt_dir)
-        crashes = CrashRecord(options.ckpt_dir, env)
+        check_checkpoint_dir(options.checkpoint.ckpt_dir)
+        crashes = CrashRecord(options.checkpoint.ckpt_dir, env)
         # The process group over all WORLD_SIZE ranks: NCCL on GPUs, gloo on CPUs, on a store made fresh for each
         # torchrun attempt (pytorch/pytorch#135712); for one plain process, none.
-        with distributed_session(env, device, timeout=options.collective_timeout()) as store:
+        with distributed_session(env, device, timeout=options.watchdog.collective_timeout()) as store:
             if crashes.known_bug_on_any_machine(device):  # found by an earlier attempt, nothing changed since
                 sys.exit(1)
             train(options, task, env, device, store)

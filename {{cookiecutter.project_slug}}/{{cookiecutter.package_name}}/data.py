@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
-from .distributed import DistEnv
-from .errors import UsageError
+from .engine.distributed import DistEnv
+from .engine.errors import UsageError
+from .engine.processes import detach_from_job_signals, start_forkserver_deaf_to_sigterm
+from .engine.streaming import StreamedDataset, StreamLoader, require_max_steps
 from .options import TrainOptions
-from .streaming import StreamedDataset, StreamLoader, require_max_steps
-from .watchdog import detach_from_job_signals, start_forkserver_deaf_to_sigterm
 
 
 class SeededSampleDataset(Dataset):

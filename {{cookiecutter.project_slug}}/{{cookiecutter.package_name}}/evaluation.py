@@ -8,11 +8,11 @@ from collections.abc import Callable
 
 import torch
 
-from .collectives import all_gather_objects, all_reduce, all_reduce_int, from_first_rank_with
 from .data import to_device
-from .errors import UsageError
+from .engine.collectives import all_gather_objects, all_reduce, all_reduce_int, from_first_rank_with
+from .engine.errors import UsageError
+from .engine.replicas import sync_buffers_from_main
 from .optim import MixedPrecision
-from .parallel import sync_buffers_from_main
 from .spec import Task
 
 # How often an evaluation asks whether to stop: a blocking all-reduce of one number, cheap beside 16 forwards.

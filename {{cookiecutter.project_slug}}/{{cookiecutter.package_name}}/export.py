@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import missing_pieces
-from .checkpoint.folder import BEST_RECORD, every_checkpoint
-from .checkpoint.sharded import saved_options
+from .engine.checkpoint import missing_pieces
+from .engine.checkpoint.folder import BEST_RECORD, every_checkpoint
+from .engine.checkpoint.sharded import saved_options
 from .task import TaskOptions
 
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from .collectives import all_reduce, world_size
-from .distributed import DistEnv
-from .options import TrainOptions
+from .engine.collectives import all_reduce, world_size
+from .engine.distributed import DistEnv
+from .options import LoggingOptions, TrainOptions
 from .parallel import whole
 from .trackers import TRACKERS, Tracker
 
@@ -33,17 +33,17 @@ def build_meter(options: TrainOptions, env: DistEnv, device: torch.device, total
     """The run's meter: metrics files with --log-dir, a tracker run and a progress bar on a terminal, all on
     rank 0 only. `changed_options`: what this resume changed, for the tracker."""
     metrics_log = None
-    if (options.log_dir or options.tracker in TRACKERS) and env.is_main_process:
-        metrics_log = MetricsLog(options, resumed_step=done_steps, restart=env.restart_count,
+    if (options.logging.log_dir or options.logging.tracker in TRACKERS) and env.is_main_process:
+        metrics_log = MetricsLog(options.logging, resumed_step=done_steps, restart=env.restart_count,
                                  tracker=Tracker(options, env, done_steps, changed_options or []))
     # A bar for people watching a terminal; plain log lines for files, CI and schedulers.
-    show_bar = options.progress_bar if options.progress_bar is not None else sys.stderr.isatty()
+    show_bar = options.logging.progress_bar if options.logging.progress_bar is not None else sys.stderr.isatty()
     progress_bar = ProgressBar(env.is_main_process and show_bar, total_steps, done_steps)
     peak = None
     if device.type == "cuda" and flops_per_unit:
         name = torch.cuda.get_device_name(device)
         peak = next((flops for gpu, flops in PEAK_BF16_FLOPS.items() if gpu in name), None)
-    return TrainingMeter(device, options.log_every, metrics_log, progress_bar, unit=unit,
+    return TrainingMeter(device, options.logging.log_every, metrics_log, progress_bar, unit=unit,
                          flops_per_unit=flops_per_unit, peak_flops=peak * env.world_size if peak else None)
 
 
@@ -56,7 +56,7 @@ class MetricsLog:
     trackers are not sent them again (trackers.py).
     """
 
-    def __init__(self, options: TrainOptions, resumed_step: int, restart: int, tracker: Tracker):
+    def __init__(self, options: LoggingOptions, resumed_step: int, restart: int, tracker: Tracker):
         self.restart, self.tracker = restart, tracker
         self.jsonl = self.tensorboard = None
         if options.log_dir:

@@ -12,11 +12,13 @@ import sys
 import types
 import typing
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
-from .errors import UsageError
+from .engine.checkpoint import CheckpointOptions, RecordedOptions
+from .engine.errors import UsageError
+from .engine.flags import flag, option
+from .engine.watchdog import WatchdogOptions
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -27,10 +29,52 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(f"{message}; see python train.py --help")
 
 
-def option(default, help: str, fixed: bool = False):  # noqa: A002 - mirrors argparse's keyword
-    """A dataclass field whose help string becomes its `--help` text. fixed=True: a checkpoint trained with one
-    value cannot be resumed under another (its tensors would not fit: a model's width, its classes)."""
-    return field(default=default, metadata={"help": help, "fixed": fixed})
+def group(kind: type, title: str):
+    """A TrainOptions field holding one concern's options (a dataclass of option() fields); their flags are
+    top-level (--ckpt-dir, not --checkpoint.ckpt-dir), under `title` in --help."""
+    return field(default_factory=kind, metadata={"help": None, "group": title})
+
+
+@dataclass
+class LoggingOptions:
+    """metrics.py and trackers.py: what rank 0 logs, how often, and where it sends it."""
+
+    log_every: int = option(10, "log loss and throughput every this many steps (rank 0)")
+    log_dir: str | None = option(
+        None, "rank 0 writes LOG_DIR/metrics.jsonl (one JSON object per logged step and per evaluation), "
+        "and with --tracker tensorboard its event files there")
+    tracker: Literal["tensorboard", "wandb", "mlflow", "none"] = option(
+        "tensorboard", "where rank 0 also sends each row: TensorBoard event files in --log-dir, or one "
+        "Weights & Biases or MLflow run per job, continued by every restart (its id: CKPT_DIR/tracker.json)")
+    progress_bar: bool | None = option(None, "tqdm progress bar on rank 0 (default: only when stderr is a terminal)")
+
+
+@dataclass
+class SelectionOptions:
+    """selection.py: the best checkpoint by an evaluation metric, and early stopping."""
+
+    keep_best: str | None = option(
+        None, "METRIC:min or METRIC:max (loss:min, accuracy:max: a metric the evaluation reports): after each "
+        "epoch's evaluation (--eval-every), and the run's last one (at --epochs or --max-steps), that beats every "
+        "one before, save a checkpoint, which retention never deletes; CKPT_DIR/best.json names it and "
+        "`export --best CKPT_DIR` writes it")
+    early_stop_patience: int | None = option(
+        None, "with --keep-best: end training after this many evaluations in a row without a better metric "
+        "(decided by rank 0 for every rank; a resumed job goes on counting)")
+
+
+@dataclass
+class ProfilingOptions:
+    """profiling.py: traces and memory snapshots."""
+
+    profile_steps: str | None = option(
+        None, "START:COUNT: a torch.profiler trace of COUNT optimizer steps from step START, one file per rank, "
+        "LOG_DIR/profile/trace-rank-<RANK>.json (open it in ui.perfetto.dev); the watchdog allows them "
+        "--io-timeout")
+    memory_snapshot: bool = option(
+        False, "CUDA: record the allocator's history from the start, and dump it to LOG_DIR/profile/"
+        "memory-rank-<RANK>-step-<N>.pickle at the end of --profile-steps, and -out-of-memory.pickle on an "
+        "out-of-memory error (open them in pytorch.org/memory_viz)")
 
 
 @dataclass
@@ -68,52 +112,11 @@ class TrainOptions:
                        "gets a seed per rank derived from it)")
     deterministic: bool = option(False, "bitwise-repeatable CUDA kernels, slower (cuDNN autotuning off); CPU runs "
                                  "are repeatable without it")
-    ckpt_dir: str = option("checkpoints", "checkpoints go here; training resumes from the newest one")
-    ckpt_every: int = option(500, "save a checkpoint every this many optimizer steps (and at the end)")
-    keep_checkpoints: int = option(2, "keep the newest this many checkpoints, delete older ones")
-    async_save: bool = option(
-        False, "write checkpoints in a thread while training goes on: the state (DDP: the writing rank's; FSDP2: "
-        "every rank's shards) is copied to host memory, written, then published; the next save and the last "
-        "wait for it. Costs that copy in host memory during each write")
-    resume_changed_state: bool = option(
-        False, "resume from a checkpoint whose entries differ from what this code saves (state added to or "
-        "removed from build_checkpointer in train.py, fields added to TrainingProgress): new entries start "
-        "fresh, entries this code no longer saves are dropped, and both are logged. Without it such a "
-        "checkpoint stops the job")
     device: Literal["auto", "cpu", "cuda"] = option(
         "auto", "auto: cuda:LOCAL_RANK when CUDA is available, else cpu")
     num_workers: int = option(2, "DataLoader worker processes per rank")
     eval_every: int = option(1, "evaluate on the held-out split every this many epochs and when training stops "
                                 "(0: never)")
-    log_every: int = option(10, "log loss and throughput every this many steps (rank 0)")
-    log_dir: str | None = option(
-        None, "rank 0 writes LOG_DIR/metrics.jsonl (one JSON object per logged step and per evaluation), "
-        "and with --tracker tensorboard its event files there")
-    tracker: Literal["tensorboard", "wandb", "mlflow", "none"] = option(
-        "tensorboard", "where rank 0 also sends each row: TensorBoard event files in --log-dir, or one "
-        "Weights & Biases or MLflow run per job, continued by every restart (its id: CKPT_DIR/tracker.json)")
-    progress_bar: bool | None = option(None, "tqdm progress bar on rank 0 (default: only when stderr is a terminal)")
-    step_timeout: float = option(
-        120, "seconds a training step may take before its rank counts as stopped: it logs where every rank "
-        "was and exits, so torchrun restarts the group from the last checkpoint")
-    io_timeout: float = option(
-        1800, "the same for start-up (downloads, compilation, the first step), checkpoint I/O and evaluation")
-    keep_best: str | None = option(
-        None, "METRIC:min or METRIC:max (loss:min, accuracy:max: a metric the evaluation reports): after each "
-        "epoch's evaluation (--eval-every), and the run's last one (at --epochs or --max-steps), that beats every "
-        "one before, save a checkpoint, which retention never deletes; CKPT_DIR/best.json names it and "
-        "`export --best CKPT_DIR` writes it")
-    early_stop_patience: int | None = option(
-        None, "with --keep-best: end training after this many evaluations in a row without a better metric "
-        "(decided by rank 0 for every rank; a resumed job goes on counting)")
-    profile_steps: str | None = option(
-        None, "START:COUNT: a torch.profiler trace of COUNT optimizer steps from step START, one file per rank, "
-        "LOG_DIR/profile/trace-rank-<RANK>.json (open it in ui.perfetto.dev); the watchdog allows them "
-        "--io-timeout")
-    memory_snapshot: bool = option(
-        False, "CUDA: record the allocator's history from the start, and dump it to LOG_DIR/profile/"
-        "memory-rank-<RANK>-step-<N>.pickle at the end of --profile-steps, and -out-of-memory.pickle on an "
-        "out-of-memory error (open them in pytorch.org/memory_viz)")
     activation_checkpointing: str = option(
         "none", "none, full, or every-N: keep only the inputs of every (or every Nth) block of the model (the "
         "blocks FSDP2 shards) in the forward pass and recompute the rest in the backward pass: less memory for "
@@ -122,15 +125,24 @@ class TrainOptions:
         None, "audit the data order: append each training-sample index this rank loads to "
         "SAMPLE_LOG/rank-<RANK>.txt (with --num-workers 0, exactly the samples trained on); for a streamed "
         "training set, epoch:piece:index of each sample trained on")
+    # The options of each concern, read by the module of that concern alone: options.checkpoint.ckpt_every.
+    checkpoint: CheckpointOptions = group(CheckpointOptions, "checkpoints")
+    watchdog: WatchdogOptions = group(WatchdogOptions, "progress and hangs")
+    logging: LoggingOptions = group(LoggingOptions, "logging")
+    selection: SelectionOptions = group(SelectionOptions, "the best checkpoint")
+    profiling: ProfilingOptions = group(ProfilingOptions, "profiling")
     task: Any = field(default=None, metadata={"help": None})  # task.py's TaskOptions, set by parse_options
 
     def check(self) -> None:
         """Reject values that cannot work, each with what to do instead."""
-        at_least_one = ["epochs", "batch_size", "ckpt_every",
-                        "keep_checkpoints", "log_every", "grad_accum"]
-        for name in at_least_one:
-            if getattr(self, name) < 1:
-                raise UsageError(f"--{flag(name)} must be >= 1, got {getattr(self, name)}")
+        checkpoint, watchdog, logging_, selection, profiling = (
+            self.checkpoint, self.watchdog, self.logging, self.selection, self.profiling)
+        at_least_one = {"epochs": self.epochs, "batch_size": self.batch_size, "grad_accum": self.grad_accum,
+                        "ckpt_every": checkpoint.ckpt_every, "keep_checkpoints": checkpoint.keep_checkpoints,
+                        "log_every": logging_.log_every}
+        for name, value in at_least_one.items():
+            if value < 1:
+                raise UsageError(f"--{flag(name)} must be >= 1, got {value}")
         if self.max_steps is not None and self.max_steps < 1:
             raise UsageError(f"--max-steps must be >= 1 (or left out for no limit), got {self.max_steps}")
         if self.eval_every < 0:
@@ -145,38 +157,32 @@ class TrainOptions:
             raise UsageError("--precision fp16 needs a gradient scaler that FSDP2 shards do not support here; "
                              "use --precision bf16 (or fp32) with --strategy fsdp2")
         for name in ("step_timeout", "io_timeout"):
-            if not getattr(self, name) > 0:
-                raise UsageError(f"--{flag(name)} must be > 0 seconds, got {getattr(self, name)}")
+            if not getattr(watchdog, name) > 0:
+                raise UsageError(f"--{flag(name)} must be > 0 seconds, got {getattr(watchdog, name)}")
         if self.skip_nonfinite < 0:
             raise UsageError(f"--skip-nonfinite must be >= 0 (0: stop at the first), got {self.skip_nonfinite}")
         if self.clip_grad is not None and not self.clip_grad > 0:
             raise UsageError(f"--clip-grad must be > 0 (or left out for no clipping), got {self.clip_grad}")
-        if self.keep_best is not None and not re.fullmatch(r"\S+:(min|max)", self.keep_best):
+        if selection.keep_best is not None and not re.fullmatch(r"\S+:(min|max)", selection.keep_best):
             raise UsageError(f"--keep-best must be METRIC:min or METRIC:max (e.g. loss:min, accuracy:max), got "
-                             f"{self.keep_best!r}")
-        if self.keep_best is not None and not self.eval_every:
+                             f"{selection.keep_best!r}")
+        if selection.keep_best is not None and not self.eval_every:
             raise UsageError("--keep-best judges evaluations, which --eval-every 0 turns off; evaluate every epoch "
                              "or every few (--eval-every N)")
-        if self.early_stop_patience is not None and (self.keep_best is None or self.early_stop_patience < 1):
+        if selection.early_stop_patience is not None and (
+                selection.keep_best is None or selection.early_stop_patience < 1):
             raise UsageError("--early-stop-patience needs --keep-best METRIC:min|max (the metric it waits on) and a "
-                             f"value >= 1, got {self.early_stop_patience}")
-        if self.profile_steps is not None and not (
-                re.fullmatch(r"[1-9]\d*:[1-9]\d*", self.profile_steps) and self.log_dir):
+                             f"value >= 1, got {selection.early_stop_patience}")
+        if profiling.profile_steps is not None and not (
+                re.fullmatch(r"[1-9]\d*:[1-9]\d*", profiling.profile_steps) and logging_.log_dir):
             raise UsageError(f"--profile-steps must be START:COUNT, both >= 1 (e.g. 10:3), with --log-dir for the "
-                             f"traces, got {self.profile_steps!r}" + ("" if self.log_dir else " and no --log-dir"))
-        if self.memory_snapshot and not self.log_dir:
+                             f"traces, got {profiling.profile_steps!r}"
+                             + ("" if logging_.log_dir else " and no --log-dir"))
+        if profiling.memory_snapshot and not logging_.log_dir:
             raise UsageError("--memory-snapshot writes under --log-dir; give one")
         if not re.fullmatch(r"none|full|every-[1-9]\d*", self.activation_checkpointing):
             raise UsageError("--activation-checkpointing must be none, full or every-N (N >= 1), got "
                              f"{self.activation_checkpointing!r}")
-
-    def collective_timeout(self) -> timedelta:
-        """The process group's bound on any one collective: a backstop behind the watchdog's timeouts."""
-        return timedelta(seconds=max(self.step_timeout, self.io_timeout) + 60)
-
-
-def flag(name: str) -> str:
-    return name.replace("_", "-")
 
 
 class DefaultsOnceFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -197,18 +203,19 @@ def build_parser(task_options: type, training_defaults: dict[str, Any]) -> argpa
         description="Train a model (task.py); launch with torchrun or run_node.sh (see train.py).",
         formatter_class=DefaultsOnceFormatter,
     )
-    training_fields = [spec for spec in dataclasses.fields(TrainOptions) if spec.name != "task"]
-    clashes = {spec.name for spec in dataclasses.fields(task_options)} & {spec.name for spec in training_fields}
-    unknown = training_defaults.keys() - {spec.name for spec in training_fields}
+    concerns = training_concerns()
+    training_names = {spec.name for *_, specs in concerns for spec in specs}
+    clashes = {spec.name for spec in dataclasses.fields(task_options)} & training_names
+    unknown = training_defaults.keys() - training_names
     if clashes or unknown:
         raise UsageError(f"task.py: {', '.join(sorted(clashes))} in TaskOptions would hide the training option of "
                          "that name; rename it" if clashes else
                          f"task.py: TASK's training_defaults names {', '.join(sorted(unknown))}, which are no training "
                          "options (see options.py)")
-    for title, specs, hints in (("what is trained (task.py)", dataclasses.fields(task_options),
-                                 typing.get_type_hints(task_options)),
-                                ("training", training_fields, typing.get_type_hints(TrainOptions))):
-        group = parser.add_argument_group(title)
+    sections = [("what is trained (task.py)", task_options, dataclasses.fields(task_options))]
+    sections += [(title, kind, specs) for _, title, kind, specs in concerns]
+    for title, kind, specs in sections:
+        group, hints = parser.add_argument_group(title), typing.get_type_hints(kind)
         for spec in specs:
             default = training_defaults.get(spec.name, spec.default)
             kind, choices = argument_type(hints[spec.name])
@@ -227,6 +234,15 @@ def build_parser(task_options: type, training_defaults: dict[str, Any]) -> argpa
     parser.add_argument("--local-rank", dest="deprecated_local_rank", type=int,
                         default=None, help=argparse.SUPPRESS)
     return parser
+
+
+def training_concerns() -> list[tuple[str | None, str, type, list[dataclasses.Field]]]:
+    """The training options by concern: (the TrainOptions attribute, None for the loop's own; the --help title;
+    the dataclass; its option fields)."""
+    own = [spec for spec in dataclasses.fields(TrainOptions) if spec.metadata.get("help")]
+    return [(None, "training", TrainOptions, own)] + [
+        (spec.name, spec.metadata["group"], spec.default_factory, list(dataclasses.fields(spec.default_factory)))
+        for spec in dataclasses.fields(TrainOptions) if "group" in spec.metadata]
 
 
 def argument_type(hint) -> tuple[type, list | None]:
@@ -258,7 +274,8 @@ def parse_options(argv: list[str] | None, task_options: type,
     argv = accept_underscores(sys.argv[1:] if argv is None else argv)
     config_file = parser.parse_known_args(argv)[0].config  # a bad flag is parse_args' to report, below
     if config_file:
-        optional = {name for kind in (TrainOptions, task_options) for name, hint in typing.get_type_hints(kind).items()
+        kinds = [task_options] + [kind for _, _, kind, _ in training_concerns()]
+        optional = {name for kind in kinds for name, hint in typing.get_type_hints(kind).items()
                     if type(None) in typing.get_args(hint)}
         parser.set_defaults(**read_config(config_file, parser, optional))
     namespace = vars(parser.parse_args(argv))
@@ -267,9 +284,11 @@ def parse_options(argv: list[str] | None, task_options: type,
     if namespace.pop("deprecated_local_rank") is not None:
         logging.getLogger(__name__).warning(
             "--local-rank is ignored: torchrun sets LOCAL_RANK in the environment, which wins")
-    task_names = {spec.name for spec in dataclasses.fields(task_options)}
-    options = TrainOptions(**{name: value for name, value in namespace.items() if name not in task_names},
-                           task=task_options(**{name: namespace[name] for name in task_names}))
+    def values(specs) -> dict[str, Any]:
+        return {spec.name: namespace[spec.name] for spec in specs}
+    (_, _, _, own), *groups = training_concerns()
+    options = TrainOptions(**values(own), **{attribute: kind(**values(specs)) for attribute, _, kind, specs in groups},
+                           task=task_options(**values(dataclasses.fields(task_options))))
     options.check()
     if print_config:
         if os.environ.get("RANK", "0") == "0":  # once, also under torchrun
@@ -344,16 +363,19 @@ def config_text(options: TrainOptions) -> str:
 
     def lines(values: dict[str, Any]) -> str:
         return "".join(yaml.safe_dump({name: value}, sort_keys=False) for name, value in values.items())
-    training = training_options(options)
-    del training["resume_changed_state"]  # for one resume, not a run
-    return ("# python train.py --config THIS_FILE runs with these options; a flag given as well wins over the file\n"
-            "# what is trained (task.py)\n" + lines(dataclasses.asdict(options.task)) + "# training\n"
-            + lines(training))
+    text = ("# python train.py --config THIS_FILE runs with these options; a flag given as well wins over the file\n"
+            "# what is trained (task.py)\n" + lines(dataclasses.asdict(options.task)))
+    for attribute, title, _, specs in training_concerns():
+        values = options if attribute is None else getattr(options, attribute)
+        text += f"# {title}\n" + lines({spec.name: getattr(values, spec.name) for spec in specs
+                                        if spec.name != "resume_changed_state"})  # for one resume, not a run
+    return text
 
 
 def training_options(options: TrainOptions) -> dict[str, Any]:
-    """The training options alone (not the task's), by field name."""
-    return {spec.name: getattr(options, spec.name) for spec in dataclasses.fields(options) if spec.name != "task"}
+    """The training options alone (not the task's), every concern's, by field name."""
+    return {spec.name: getattr(options if attribute is None else getattr(options, attribute), spec.name)
+            for attribute, _, _, specs in training_concerns() for spec in specs}
 
 
 def every_option(options: TrainOptions) -> dict[str, Any]:
@@ -361,6 +383,8 @@ def every_option(options: TrainOptions) -> dict[str, Any]:
     return {**training_options(options), **dataclasses.asdict(options.task)}
 
 
-def fixed_under_a_checkpoint(options: TrainOptions) -> set[str]:
-    """The task options marked fixed=True: a checkpoint cannot be resumed once they change."""
-    return {spec.name for spec in dataclasses.fields(options.task) if spec.metadata.get("fixed")}
+def recorded(options: TrainOptions) -> RecordedOptions:
+    """The options as checkpoints keep them: every one by name, the task options marked fixed=True (a checkpoint
+    cannot be resumed once they change), and the --config file that runs this run again."""
+    return RecordedOptions(every_option(options), frozenset(
+        spec.name for spec in dataclasses.fields(options.task) if spec.metadata.get("fixed")), config_text(options))

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from .distributed import DistEnv
-from .errors import UsageError
-from .options import TrainOptions
+from .engine.distributed import DistEnv
+from .engine.errors import UsageError
+from .options import ProfilingOptions
 
 log = logging.getLogger(__name__)
 
@@ -21,10 +21,10 @@ class StepProfiler:
     steps START to START + COUNT - 1 of the job, and the watchdog allows them --io-timeout, as a slow phase.
     close() at the end writes what a run that stopped inside those steps recorded."""
 
-    def __init__(self, options: TrainOptions, env: DistEnv, device: torch.device, watchdog):
+    def __init__(self, options: ProfilingOptions, log_dir: str | None, env: DistEnv, device: torch.device, watchdog):
         first, _, count = (options.profile_steps or "0:0").partition(":")  # checked by TrainOptions.check
         self.first, self.last = int(first), int(first) + int(count) - 1
-        self.folder = Path(options.log_dir or ".") / "profile"
+        self.folder = Path(log_dir or ".") / "profile"
         self.memory = options.memory_snapshot
         self.env, self.device, self.watchdog = env, device, watchdog
         self.profiler: torch.profiler.profile | None = None
@@ -59,7 +59,7 @@ class StepProfiler:
             dump_memory(self.folder, self.env, f"step-{self.last}")
 
 
-def record_memory_history(options: TrainOptions, device: torch.device, env: DistEnv) -> None:
+def record_memory_history(options: ProfilingOptions, log_dir: str | None, device: torch.device, env: DistEnv) -> None:
     """--memory-snapshot: record CUDA's allocations from here on (Python stacks: C++ ones cost every allocation
     more), so that an out-of-memory error at any point, the resume's included, dumps their history (torch's
     recipe, "Understanding CUDA Memory Usage")."""
@@ -67,7 +67,7 @@ def record_memory_history(options: TrainOptions, device: torch.device, env: Dist
         return
     if device.type != "cuda":
         raise UsageError("--memory-snapshot records CUDA's allocator; this run has no CUDA device (--device)")
-    folder = Path(options.log_dir) / "profile"
+    folder = Path(log_dir) / "profile"
     torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
     torch._C._cuda_attach_out_of_memory_observer(lambda *_: dump_memory(folder, env, "out-of-memory"))
 

@@ -8,10 +8,10 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-from .checkpoint.folder import BEST_RECORD, every_checkpoint, write_json
-from .distributed import DistEnv
-from .errors import UsageError
-from .options import TrainOptions
+from .engine.checkpoint.folder import BEST_RECORD, every_checkpoint, write_json
+from .engine.distributed import DistEnv
+from .engine.errors import UsageError
+from .options import SelectionOptions
 
 log = logging.getLogger(__name__)
 
@@ -22,11 +22,11 @@ class ModelSelection:
     added or dropped on resume: a job killed mid-patience goes on counting. Its kept_step is a checkpoint
     retention never deletes; CKPT_DIR/best.json names it for export --best."""
 
-    def __init__(self, options: TrainOptions, env: DistEnv):
+    def __init__(self, options: SelectionOptions, ckpt_dir: str, env: DistEnv):
         self.metric, _, mode = (options.keep_best or "").rpartition(":")
         self.mode = mode or "min"  # "min" or "max"
         self.patience = options.early_stop_patience
-        self.ckpt_dir = Path(options.ckpt_dir)
+        self.ckpt_dir = Path(ckpt_dir)
         self.env = env
         self.best_value: float | None = None
         self.best_step: int | None = None

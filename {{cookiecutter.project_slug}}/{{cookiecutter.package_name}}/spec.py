@@ -19,10 +19,10 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from .collectives import run_once_per_storage
 from .data import tensors_in
-from .distributed import DistEnv
-from .errors import UsageError
+from .engine.collectives import run_once_per_storage
+from .engine.distributed import DistEnv
+from .engine.errors import UsageError
 from .options import TrainOptions
 
 log = logging.getLogger(__name__)

@@ -40,11 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from .errors import UsageError
-from .optim import Step
-from .options import TrainOptions, option
-from .spec import Task
-from .streaming import (
+from .engine.errors import UsageError
+from .engine.streaming import (
     StreamedDataset,
     check_first_records,
     expand_files,
@@ -52,6 +49,9 @@ from .streaming import (
     require_max_steps,
     tar_samples,
 )
+from .optim import Step
+from .options import TrainOptions, option
+from .spec import Task
 
 
 @dataclass
@@ -91,11 +91,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from .errors import UsageError
-from .optim import Step
-from .options import TrainOptions, option
-from .spec import Task
-from .streaming import (
+from .engine.errors import UsageError
+from .engine.streaming import (
     StreamedDataset,
     check_first_records,
     expand_files,
@@ -103,6 +100,9 @@ from .streaming import (
     read_documents,
     require_max_steps,
 )
+from .optim import Step
+from .options import TrainOptions, option
+from .spec import Task
 
 
 @dataclass

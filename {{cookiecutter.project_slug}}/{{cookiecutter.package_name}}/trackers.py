@@ -26,8 +26,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from .checkpoint.folder import TRACKER_RECORD, write_json
-from .distributed import DistEnv
+from .engine.checkpoint.folder import TRACKER_RECORD, write_json
+from .engine.distributed import DistEnv
 from .options import TrainOptions, every_option
 
 log = logging.getLogger(__name__)
@@ -165,22 +165,23 @@ class Tracker:
     def __init__(self, options: TrainOptions, env: DistEnv, resumed_step: int, changes: list[str]):
         self.rows: queue.Queue = queue.Queue(maxsize=10_000)  # full (a tracker far behind): rows are dropped
         self.thread, self.failed = None, False
-        if options.tracker not in TRACKERS:
+        if options.logging.tracker not in TRACKERS:
             return
-        if options.tracker == "mlflow":  # a server that is down: a few seconds per request, not minutes
+        if options.logging.tracker == "mlflow":  # a server that is down: a few seconds per request, not minutes
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         try:
-            library = importlib.import_module(options.tracker)
+            library = importlib.import_module(options.logging.tracker)
         except ImportError as error:
-            self.warn(f"{options.tracker} is not installed (pip install -e '.[{options.tracker}]')", error)
+            name = options.logging.tracker
+            self.warn(f"{name} is not installed (pip install -e '.[{name}]')", error)
             return
         config = {**every_option(options), "world_size": env.world_size, "nodes": env.num_nodes}
         ranks = f"{env.world_size} rank{'s' if env.world_size > 1 else ''}"
         resumed = f"at step {resumed_step} on {ranks} (restart {env.restart_count})" + (
             f"; {'; '.join(changes)}" if changes else "; no option changed")
         self.thread = threading.Thread(target=self.send, name="tracker", daemon=True,
-                                       args=(TRACKERS[options.tracker], library, options, resumed_step, config,
+                                       args=(TRACKERS[options.logging.tracker], library, options, resumed_step, config,
                                              resumed))
         self.thread.start()
 
@@ -194,7 +195,7 @@ class Tracker:
     def send(self, kind: type, library, options: TrainOptions, resumed_step: int, config: dict, resumed: str):
         """The background thread: start (or continue) the run, send each row, close it."""
         try:
-            record = RunRecord(options.ckpt_dir, options.tracker, resumed_step)
+            record = RunRecord(options.checkpoint.ckpt_dir, options.logging.tracker, resumed_step)
             resume = None
             if record.run_id:
                 record.state["resumes"] += 1
@@ -205,7 +206,7 @@ class Tracker:
                     run.log(*row)
             run.close()
         except Exception as error:  # noqa: BLE001 - a tracker must never stop training
-            self.warn(f"the {options.tracker} run failed", error)
+            self.warn(f"the {options.logging.tracker} run failed", error)
 
     def close(self) -> None:
         """Send the rows still queued and close the run, waiting at most CLOSE_TIMEOUT_S."""

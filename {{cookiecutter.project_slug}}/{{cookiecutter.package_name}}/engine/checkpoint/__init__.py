@@ -9,21 +9,21 @@ import torch
 
 from ..distributed import DistEnv
 from ..errors import UsageError
-from ..options import TrainOptions
-from .common import Checkpointer, check_checkpoint_dir
+from .common import Checkpointer, CheckpointOptions, RecordedOptions, check_checkpoint_dir
 from .folder import list_checkpoints, list_sharded_checkpoints
 from .replicated import ReplicatedCheckpointer
 from .sharded import ShardedCheckpointer, missing_pieces
 
-__all__ = ["Checkpointer", "build_checkpointer", "check_checkpoint_dir", "list_checkpoints",
-           "list_sharded_checkpoints", "missing_pieces"]
+__all__ = ["Checkpointer", "CheckpointOptions", "RecordedOptions", "build_checkpointer", "check_checkpoint_dir",
+           "list_checkpoints", "list_sharded_checkpoints", "missing_pieces"]
 
 
-def build_checkpointer(options: TrainOptions, env: DistEnv, device: torch.device, **components) -> Checkpointer:
-    """One step-<N>.pt per save for DDP, step-<N>/ folders of shards for FSDP2."""
-    check_checkpoint_format(Path(options.ckpt_dir), options.strategy)
-    kind = ShardedCheckpointer if options.strategy == "fsdp2" else ReplicatedCheckpointer
-    return kind(options, env, device, **components)
+def build_checkpointer(options: CheckpointOptions, recorded: RecordedOptions, env: DistEnv, device: torch.device,
+                       sharded: bool, **components) -> Checkpointer:
+    """One step-<N>.pt per save for DDP, step-<N>/ folders of shards for FSDP2 (`sharded`)."""
+    check_checkpoint_format(Path(options.ckpt_dir), "fsdp2" if sharded else "ddp")
+    kind = ShardedCheckpointer if sharded else ReplicatedCheckpointer
+    return kind(options, recorded, env, device, **components)
 
 
 def check_checkpoint_format(ckpt_dir: Path, strategy: str) -> None:

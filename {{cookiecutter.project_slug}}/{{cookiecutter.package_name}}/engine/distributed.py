@@ -20,12 +20,13 @@ import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from .errors import UsageError
-from .watchdog import nccl_flight_recorder_settings, recording_job_sockets
+from .processes import recording_job_sockets
 
 # What torchrun sets for every worker. Either all of these are present or none (plain `python train.py`).
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -112,6 +113,24 @@ def as_file_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", text)
 
 
+def hang_reports_folder(env: DistEnv) -> Path:
+    """Where this run's hang reports go (NCCL's flight records), relative to where the job was started: a
+    folder per run id, so two jobs started from one folder keep each other's."""
+    return Path("hang-reports") / env.run_name
+
+
+def nccl_flight_recorder_settings(env: DistEnv) -> dict[str, str]:
+    """NCCL's flight recorder: each rank keeps its last 2000 collectives, and when one rank's collective times
+    out, every rank writes them to hang-reports/<run id>/nccl_trace_rank_<N>, for `python -m
+    torch.distributed.flight_recorder.fr_trace hang-reports/<run id>` to show which collective each rank
+    reached. That, not a Python stack, tells where NCCL ranks wait: their collectives return as soon as they
+    are queued. (TORCH_NCCL_TRACE_BUFFER_SIZE is the older name of TORCH_FR_BUFFER_SIZE.)"""
+    folder = hang_reports_folder(env).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    return {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_FR_DUMP_TEMP_FILE": str(folder / "nccl_trace_rank_")}
+
+
 def select_device(requested: str, env: DistEnv) -> torch.device:
     """cuda:LOCAL_RANK when CUDA is wanted and present, else cpu. The global rank is never a device index."""
     cuda_available = torch.cuda.is_available()
@@ -182,10 +201,12 @@ def distributed_session(env: DistEnv, device: torch.device,
                 timeout=timeout, device_id=device if device.type == "cuda" else None,
             )
             SIDE_GROUP.append(new_lazy_gloo_group(timeout))
+            SESSION_TIMEOUT.append(timeout)
     try:
         yield address
     finally:
         SIDE_GROUP.clear()
+        SESSION_TIMEOUT.clear()
         if dist.is_initialized():
             # A DDP model caught in a reference cycle is freed by the cycle collector, possibly only at
             # interpreter exit, after the group it holds was destroyed: gloo's threads then abort the process
@@ -194,8 +215,14 @@ def distributed_session(env: DistEnv, device: torch.device,
             dist.destroy_process_group()
 
 
-# The process group's gloo companion (side_group()), made with it and dropped with it.
+# The process group's gloo companion (side_group()), made with it and dropped with it, and its timeout.
 SIDE_GROUP: list[dist.ProcessGroup] = []
+SESSION_TIMEOUT: list[timedelta] = []
+
+
+def session_timeout() -> timedelta:
+    """The bound on any one collective that distributed_session was given (for groups made later)."""
+    return SESSION_TIMEOUT[0] if SESSION_TIMEOUT else timedelta(minutes=10)
 
 
 def side_group() -> dist.ProcessGroup | None:
@@ -214,7 +241,7 @@ def new_lazy_gloo_group(timeout: timedelta) -> dist.ProcessGroup:
     common `ulimit -n` of 1024 allows at a thousand ranks, and reads every rank's address through rank 0's
     store, 8 N^3 bytes in all, gigabytes at that size. The main group keeps torch's default: its collectives
     may talk to any peer. One all-reduce here makes the ring's connections while the job's sockets are being
-    recorded, so DataLoader workers forked later close them (watchdog.close_job_sockets). `timeout`: the main
+    recorded, so DataLoader workers forked later close them (processes.close_job_sockets). `timeout`: the main
     group's (a new group's own default is 30 minutes)."""
     previous = os.environ.get("TORCH_GLOO_LAZY_INIT")
     os.environ["TORCH_GLOO_LAZY_INIT"] = "1"

@@ -9,16 +9,15 @@ import torch
 import torch.distributed as dist
 
 from .distributed import DistEnv
-from .options import TrainOptions
 
 
-def seed_and_choose_kernels(options: TrainOptions, env: DistEnv, device: torch.device) -> None:
+def seed_and_choose_kernels(seed: int, deterministic: bool, env: DistEnv, device: torch.device) -> None:
     """Every generator (CPU, CUDA) gets --seed on every rank: model initialisation must be identical everywhere,
     on either device (FSDP2 shards each rank's own copy); seed_per_rank follows once the model is built."""
-    torch.manual_seed(options.seed)
+    torch.manual_seed(seed)
     if device.type != "cuda":
         return
-    if options.deterministic:
+    if deterministic:
         # Bitwise-repeatable GPU kernels, for comparing runs (e.g. a resumed one against an uninterrupted one).
         # warn_only: ops with no deterministic variant (adaptive pooling's backward) warn instead of failing.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts, not before
@@ -28,16 +27,16 @@ def seed_and_choose_kernels(options: TrainOptions, env: DistEnv, device: torch.d
         torch.backends.cudnn.benchmark = True
 
 
-def seed_per_rank(options: TrainOptions, env: DistEnv, device: torch.device) -> None:
+def seed_per_rank(seed: int, env: DistEnv, device: torch.device) -> None:
     """Once the model is built: the CPU and CUDA generators get a seed of their own per rank, so what a loss or a
     forward draws (torch.randn noise, dropout masks) differs between ranks, as it would between the samples of
     one large batch; with one seed everywhere every rank would draw the same noise for its different samples.
     A draw every rank must make alike (which blocks LayerDrop skips: ranks that ran different blocks would wait
     for each other's gradients) takes a generator of its own, seeded from --seed and the step number."""
-    torch.default_generator.manual_seed(rank_seed(options.seed, env.rank))
+    torch.default_generator.manual_seed(rank_seed(seed, env.rank))
     if device.type == "cuda":
         with torch.cuda.device(device):
-            torch.cuda.manual_seed(rank_seed(options.seed, env.rank))
+            torch.cuda.manual_seed(rank_seed(seed, env.rank))
 
 
 def rank_seed(seed: int, rank: int) -> int:

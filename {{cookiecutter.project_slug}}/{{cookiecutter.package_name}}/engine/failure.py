@@ -45,13 +45,14 @@ from .checkpoint.folder import CRASH_RECORDS, every_checkpoint, write_json
 from .collectives import all_reduce_int
 from .distributed import DistEnv, PortTaken, as_file_name, publish_usage_error
 from .errors import UsageError
-from .parallel import ReplicaCorrupted
-from .watchdog import REPORTING_A_HANG, process_identity
+from .processes import process_identity
+from .replicas import ReplicaCorrupted
+from .watchdog import REPORTING_A_HANG
 
 # What gloo and NCCL raise on a rank whose peer died: the group is gone, and torchrun restarts it.
 LOST_PEER = re.compile(r"Connection (reset|closed) by peer|Broken pipe|NCCL communicator was aborted|"
                        r"remote process exited|Socket Timeout", re.IGNORECASE)
-PACKAGE_ROOT = Path(__file__).resolve().parent
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # the package this engine is part of: task.py is in it
 PROJECT_ROOT = PACKAGE_ROOT.parent
 # Faults of the machine, whatever the code: a communication error (DistError: NCCL's "unhandled system error",
 # a store timeout), an accelerator's error (torch >= 2.8: "uncorrectable ECC error"), I/O, host memory, and one
@@ -132,7 +133,7 @@ def conditions_now(ckpt_dir: Path) -> dict[str, str]:
 
 def code_hash() -> str:
     digest = hashlib.sha256()
-    for path in sorted([PROJECT_ROOT / "train.py", *Path(__file__).parent.rglob("*.py")]):
+    for path in sorted([PROJECT_ROOT / "train.py", *PACKAGE_ROOT.rglob("*.py")]):
         if path.is_file():
             digest.update(path.read_bytes())
     return digest.hexdigest()[:16]

@@ -15,7 +15,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +24,41 @@ import torch
 from ..collectives import all_gather_objects, all_reduce, from_first_rank_with
 from ..distributed import DistEnv
 from ..errors import NonFiniteTraining, UsageError
-from ..optim import group_settings, member_optimizers, take_built_settings
-from ..options import TrainOptions, config_text, every_option, fixed_under_a_checkpoint, flag
-from ..parallel import check_replicas_match, sync_buffers_from_main
+from ..flags import flag, option
+from ..optimizers import group_settings, member_optimizers, take_built_settings
+from ..replicas import check_replicas_match, sync_buffers_from_main
 from ..reproducibility import restore_rng_states
 from .folder import CONFIG_RECORD, LEASE_FILE, write_text
 
 log = logging.getLogger(__name__)
 BACKGROUND_WRITE = "checkpoint-write"  # the thread of an --async-save write, which a process lets finish
+
+
+@dataclass
+class CheckpointOptions:
+    """The flags of checkpoints: where they go, how often, how many stay."""
+
+    ckpt_dir: str = option("checkpoints", "checkpoints go here; training resumes from the newest one")
+    ckpt_every: int = option(500, "save a checkpoint every this many optimizer steps (and at the end)")
+    keep_checkpoints: int = option(2, "keep the newest this many checkpoints, delete older ones")
+    async_save: bool = option(
+        False, "write checkpoints in a thread while training goes on: the state (DDP: the writing rank's; FSDP2: "
+        "every rank's shards) is copied to host memory, written, then published; the next save and the last "
+        "wait for it. Costs that copy in host memory during each write")
+    resume_changed_state: bool = option(
+        False, "resume from a checkpoint whose entries differ from what this code saves (state added to or "
+        "removed from build_checkpointer in train.py, fields added to TrainingProgress): new entries start "
+        "fresh, entries this code no longer saves are dropped, and both are logged. Without it such a "
+        "checkpoint stops the job")
+
+
+@dataclass(frozen=True)
+class RecordedOptions:
+    """The run's options as checkpoints keep them: recorded in each, compared on resume, written beside them."""
+
+    values: dict[str, Any]  # every option by name, the task's included
+    fixed: frozenset[str]  # those a checkpoint cannot be resumed under once changed (a model's width)
+    config_text: str  # CKPT_DIR/config.yaml: the --config file that runs this run again
 
 
 def check_checkpoint_dir(ckpt_dir: str) -> None:
@@ -84,15 +111,15 @@ EFFECT_OF_CHANGING = {
 CHANGED_BY_EVERY_RESUME = ("max_steps", "ckpt_dir", "resume_changed_state")
 
 
-def check_resumed_options(saved: dict | None, options: TrainOptions, source: Path) -> list[str]:
+def check_resumed_options(saved: dict | None, recorded: RecordedOptions, source: Path) -> list[str]:
     """Stop on a changed option the checkpoint cannot take; log the others in one line with their effect,
     and return them (--lr 0.01 -> 0.02, ...)."""
     if not saved:  # a checkpoint from before options were recorded
         return []
-    current = every_option(options)
+    current = recorded.values
     changed = [name for name, value in current.items()
                if name in saved and saved[name] != value and name not in CHANGED_BY_EVERY_RESUME]
-    fixed = [name for name in changed if name in fixed_under_a_checkpoint(options)]
+    fixed = [name for name in changed if name in recorded.fixed]
     if fixed:
         was = ", ".join(f"--{flag(name)} {saved[name]}" for name in fixed)
         asked = ", ".join(f"--{flag(name)} {current[name]}" for name in fixed)
@@ -221,8 +248,10 @@ class Checkpointer:
     A subclass writes one step (`write`) and finds and reads the newest valid one (`find_newest`, `read`);
     saving once per step, the order of restoring and the log lines are here."""
 
-    def __init__(self, options: TrainOptions, env: DistEnv, device: torch.device, **components):
-        self.options = options  # recorded in every checkpoint, compared on resume
+    def __init__(self, options: CheckpointOptions, recorded: RecordedOptions, env: DistEnv, device: torch.device,
+                 **components):
+        self.options = options
+        self.recorded = recorded  # the run's options, recorded in every checkpoint and compared on resume
         self.changed_options: list[str] = []  # by the resume: --lr 0.01 -> 0.02, ...
         self.ckpt_dir = Path(options.ckpt_dir)
         self.keep = options.keep_checkpoints
@@ -303,7 +332,7 @@ class Checkpointer:
             self.record_config()
             return progress_type()
         source, saved_options = newest
-        self.changed_options = check_resumed_options(saved_options, self.options, source)
+        self.changed_options = check_resumed_options(saved_options, self.recorded, source)
         entries, progress_fields = self.saved_entries(source)
         restored = self.check_saved_entries(source, entries, progress_fields)
         optimizers = [member for name, component in self.components.items() if name in restored
@@ -343,7 +372,7 @@ class Checkpointer:
     def record_config(self) -> None:
         """This run's options beside its checkpoints, as a --config file (rank 0)."""
         if self.env.rank == 0:
-            write_text(self.ckpt_dir / CONFIG_RECORD, config_text(self.options))
+            write_text(self.ckpt_dir / CONFIG_RECORD, self.recorded.config_text)
 
     def check_saved_entries(self, source: Path, entries: set[str], progress_fields: set[str]) -> set[str]:
         """The components to restore from `source`. A checkpoint that does not hold what this code saves (state

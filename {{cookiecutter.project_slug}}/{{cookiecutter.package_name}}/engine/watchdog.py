@@ -1,8 +1,8 @@
-"""Processes and signals, in one place. Keeps one stuck rank from stalling a job: a thread beside the
+"""Keeps one stuck rank from stalling a job: a thread beside the
 training loop that ends this rank when it stops making progress, says where every rank was (and where NCCL's
 flight records go), and makes SIGTERM prompt. SIGTERM is handled here alone: the handler, the watching
-thread, the agreement of all ranks to stop after the same step (StopAgreement), and DataLoader workers,
-which leave the job's signals and its sockets to the training process (detach_from_job_signals).
+thread, and the agreement of all ranks to stop after the same step (StopAgreement). (DataLoader workers,
+which leave the job's signals and its sockets to the training process: processes.py.)
 
 torchrun restarts a worker group only after a worker exits. A rank waiting in a collective for a peer that
 is stopped, stuck, or gone without closing its connections waits out the process-group timeout; and while
@@ -16,7 +16,6 @@ TORCH_NCCL_ASYNC_ERROR_HANDLING and a shorter timeout after warm-up, as torchtit
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import faulthandler
 import json
 import logging
@@ -28,16 +27,18 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:  # distributed.py stands on this module: the sockets and flight records of a job
-    from .distributed import DistEnv, StoreAddress
+from .distributed import DistEnv, StoreAddress, hang_reports_folder
+from .flags import option
+from .processes import is_stopped, process_identity, recording_job_sockets
 
 log = logging.getLogger(__name__)
 
@@ -62,127 +63,6 @@ REPORTING_A_HANG = threading.Event()
 WAITING_IN = ("torch/distributed/", "torch/autograd/", "torch/_tensor.py")
 
 
-def hang_reports_folder(env: DistEnv) -> Path:
-    """Where this run's hang reports go (NCCL's flight records), relative to where the job was started: a
-    folder per run id, so two jobs started from one folder keep each other's."""
-    return Path("hang-reports") / env.run_name
-
-
-def nccl_flight_recorder_settings(env: DistEnv) -> dict[str, str]:
-    """NCCL's flight recorder: each rank keeps its last 2000 collectives, and when one rank's collective times
-    out, every rank writes them to hang-reports/<run id>/nccl_trace_rank_<N>, for `python -m
-    torch.distributed.flight_recorder.fr_trace hang-reports/<run id>` to show which collective each rank
-    reached. That, not a Python stack, tells where NCCL ranks wait: their collectives return as soon as they
-    are queued. (TORCH_NCCL_TRACE_BUFFER_SIZE is the older name of TORCH_FR_BUFFER_SIZE.)"""
-    folder = hang_reports_folder(env).resolve()
-    folder.mkdir(parents=True, exist_ok=True)
-    return {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-            "TORCH_FR_DUMP_TEMP_FILE": str(folder / "nccl_trace_rank_")}
-
-
-# The job's own connections (its store, gloo's full mesh), for DataLoader workers to close: a forked
-# copy would keep a dead rank's connections open, so its peers would wait in a collective instead of failing.
-JOB_SOCKETS: set[tuple[int, int]] = set()  # (file descriptor, socket inode)
-
-
-def network_sockets() -> dict[int, int]:
-    """This process's open TCP/IP sockets: file descriptor -> socket inode (Linux; empty elsewhere)."""
-    found = {}
-    if os.path.isdir("/proc/self/fd"):
-        for name in os.listdir("/proc/self/fd"):
-            with contextlib.suppress(OSError, ValueError):
-                probe = socket.socket(fileno=int(name))  # raises for anything that is not a socket
-                family = probe.family
-                probe.detach()  # looking must not close it
-                if family in (socket.AF_INET, socket.AF_INET6):
-                    found[int(name)] = os.fstat(int(name)).st_ino
-    return found
-
-
-@contextlib.contextmanager
-def recording_job_sockets() -> Iterator[None]:
-    """Around the creation of a store or process group: remember the sockets it opened."""
-    before = network_sockets()
-    yield
-    JOB_SOCKETS.update(network_sockets().items() - before.items())
-
-
-def close_job_sockets() -> None:
-    """In a forked child (a DataLoader worker): close its copies of the job's connections and listening
-    ports, checking each is still the same socket."""
-    for fd, inode in JOB_SOCKETS:
-        with contextlib.suppress(OSError):
-            if os.fstat(fd).st_ino == inode:
-                os.close(fd)
-
-
-def detach_from_job_signals(worker_id: int, training_process: int) -> None:
-    """DataLoader workers leave the training process's process group, so the SIGTERM or Ctrl-C that torchrun
-    (which signals its workers' groups) or a terminal sends the group does not reach them: the training
-    process decides when to stop, saves, and then shuts its workers down itself.
-
-    Slurm signals every process of a job step, workers included. So a worker obeys SIGTERM only from its
-    training process: that is how the DataLoader ends a worker that does not stop when asked, and Python's
-    exit ends daemonic children before joining them. A worker that ignored SIGTERM made every exit after an
-    error wait for torchrun's SIGKILL, 30 s later; one that obeyed every SIGTERM died under Slurm's
-    preemption signal, failing the step that was to be saved. `training_process` is passed in, not read with
-    os.getppid(): under the forkserver start method (Python 3.14's default on Linux) a worker's parent is the
-    forkserver.
-
-    A worker ends with the training process: torch's own check of its parent runs only between samples, so a
-    worker stuck in a dataset's __getitem__ outlived a training process that the watchdog had ended, in a
-    process group that torchrun no longer signals. Under fork, Linux's parent-death signal kills it even while
-    it holds the GIL; under forkserver the parent is the forkserver, which lives as long as its children do,
-    so a thread also watches the training process itself."""
-    os.setpgid(0, 0)
-    if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
-    training_process_ended = watch_process(training_process)
-    signal.set_wakeup_fd(-1)  # the parent's watchdog pipe is not this process's
-    close_job_sockets()  # so a dead training process's ports refuse, and its peers' collectives fail, at once
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # held for the thread below, in every thread
-
-    def follow_the_training_process() -> None:
-        while True:
-            received = signal.sigtimedwait({signal.SIGTERM}, 1.0)
-            if (received and received.si_pid == training_process) or training_process_ended():
-                os._exit(0)  # as torch's own worker handler does: a requested exit, not a failure
-
-    threading.Thread(target=follow_the_training_process, daemon=True).start()
-
-
-def start_forkserver_deaf_to_sigterm() -> None:
-    """Under the forkserver start method (Python 3.14's default on Linux, or set by the user) DataLoader workers
-    are forked by a server process that multiprocessing starts, once, in the training process's process group.
-    The SIGTERM that torchrun, a terminal or Slurm sends that group would end it, and with it (their parent
-    gone) every loader worker: the rank fails in its next step instead of saving at the agreed one. So the
-    server is started here, before any loader, ignoring SIGTERM (an ignored signal stays ignored through exec;
-    a blocked one would not); the workers it forks take SIGTERM from their training process alone (above)."""
-    import multiprocessing
-    from multiprocessing import forkserver
-
-    if multiprocessing.get_start_method() != "forkserver":
-        return
-    # Blocked meanwhile in this process too, so that a SIGTERM arriving in between waits for the handler.
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    handler = signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        forkserver.ensure_running()
-    finally:
-        signal.signal(signal.SIGTERM, handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-
-
-def watch_process(pid: int) -> Callable[[], bool]:
-    """A check of whether process `pid` has ended: a pidfd on Linux (never fooled by a reused pid)."""
-    try:
-        handle = os.pidfd_open(pid)
-    except (AttributeError, OSError):  # not Linux; or the process has already ended
-        return lambda: not os.path.exists(f"/proc/{pid}") if sys.platform == "linux" else False
-    return lambda: bool(select.select([handle], [], [], 0)[0])
-
-
 class Phase(NamedTuple):
     """What the main thread is doing: replaced whole (one assignment, atomic under the GIL), never changed."""
 
@@ -190,6 +70,21 @@ class Phase(NamedTuple):
     step: int  # the optimizer step it belongs to: a training step's own; for a slow phase, the last one done
     slow: bool  # a slow phase (I/O, evaluation): allowed io_timeout, not step_timeout
     since: float  # time.monotonic() at its start
+
+
+@dataclass
+class WatchdogOptions:
+    """The watchdog's flags: how long a rank may go without progress before it counts as stopped."""
+
+    step_timeout: float = option(
+        120, "seconds a training step may take before its rank counts as stopped: it logs where every rank "
+        "was and exits, so torchrun restarts the group from the last checkpoint")
+    io_timeout: float = option(
+        1800, "the same for start-up (downloads, compilation, the first step), checkpoint I/O and evaluation")
+
+    def collective_timeout(self) -> timedelta:
+        """The process group's bound on any one collective: a backstop behind the watchdog's timeouts."""
+        return timedelta(seconds=max(self.step_timeout, self.io_timeout) + 60)
 
 
 class Watchdog:
@@ -538,14 +433,6 @@ def end_stopped_ranks_on_this_machine(store: dist.Store, rank: int, host: str, r
                 sys.stderr.write(f"[rank {rank}] {message}\n")
 
 
-def is_stopped(pid: int) -> bool:
-    """Whether process `pid` is stopped by a signal or a debugger (Linux: T or t in /proc/<pid>/stat)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
-
-
 class StopAgreement:
     """Turns "SIGTERM reached some rank" into a stop after the same step on every rank.
 
@@ -641,17 +528,3 @@ def rank_ranges(ranks: list[int]) -> str:
         else:
             runs.append([rank])
     return ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
-
-
-def process_identity(pid: int) -> str:
-    """"host pid start-time boot-id pid-namespace": names one process on one machine, even after its pid is
-    reused, and even where containers share a hostname (host networking) but not a pid namespace, so that the
-    same pid means different processes (Linux; elsewhere the start time is unknown and the identity never
-    matches another process's)."""
-    try:
-        started = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        namespace = os.stat(f"/proc/{pid}/ns/pid").st_ino
-    except (OSError, IndexError):
-        return f"{socket.gethostname()} {pid} unknown"
-    return f"{socket.gethostname()} {pid} {started} {boot} {namespace}"

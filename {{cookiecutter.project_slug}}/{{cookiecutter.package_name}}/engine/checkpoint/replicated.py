@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from ..collectives import all_reduce_int, broadcast_object, first_node_on_its_storage, from_first_rank_with
 from ..errors import UsageError
-from ..options import every_option
 from ..reproducibility import gather_rng_states
 from .common import (
     RESERVED_NAMES,
@@ -240,8 +239,8 @@ class ReplicatedCheckpointer(Checkpointer):
     tensor at a time.
     """
 
-    def __init__(self, options, env, device, **components):
-        super().__init__(options, env, device, **components)
+    def __init__(self, options, recorded, env, device, **components):
+        super().__init__(options, recorded, env, device, **components)
         # One writer per storage behind --ckpt-dir: shared by every node, or local to each.
         self.is_writer, writers = first_node_on_its_storage(self.ckpt_dir, env, device)
         self.lease = hold_checkpoint_folder(self.ckpt_dir, env, device, holder=self.is_writer)
@@ -262,8 +261,8 @@ class ReplicatedCheckpointer(Checkpointer):
         self.wait()  # the previous save's write, and its error if it failed
         path = checkpoint_path(self.ckpt_dir, progress.step)
         state = {**training_state(self.components, progress, self.env.world_size), **rng_states,
-                 "options": every_option(self.options)}
-        if self.options.async_save:  # a copy, taken now: the next step changes parameters and moments in place
+                 "options": self.recorded.values}
+        if self.options.async_save:  # a copy, taken now: the next step changes parameters and moments
             self.in_background(self.publish, copy_to_host(state), path, self.kept_steps())
         else:
             self.publish(state, path, self.kept_steps())

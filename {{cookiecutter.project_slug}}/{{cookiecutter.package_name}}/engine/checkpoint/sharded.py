@@ -22,12 +22,11 @@ import torch
 import torch.distributed as dist
 
 from ..collectives import barrier, broadcast_object, first_node_on_its_storage
-from ..distributed import new_lazy_gloo_group
+from ..distributed import new_lazy_gloo_group, session_timeout
 from ..errors import UsageError
-from ..optim import member_optimizers
-from ..options import every_option
+from ..optimizers import member_optimizers
+from ..processes import recording_job_sockets
 from ..reproducibility import gather_rng_states
-from ..watchdog import recording_job_sockets
 from .common import (
     Checkpointer,
     hold_checkpoint_folder,
@@ -82,8 +81,8 @@ class ShardedCheckpointer(Checkpointer):
     Every rank holds only its shards, so every rank writes; --ckpt-dir must be one folder all nodes share.
     """
 
-    def __init__(self, options, env, device, **components):
-        super().__init__(options, env, device, **components)
+    def __init__(self, options, recorded, env, device, **components):
+        super().__init__(options, recorded, env, device, **components)
         is_writer, storages = first_node_on_its_storage(self.ckpt_dir, env, device)
         self.lease = hold_checkpoint_folder(self.ckpt_dir, env, device, holder=is_writer)
         if storages > 1:
@@ -108,7 +107,7 @@ class ShardedCheckpointer(Checkpointer):
         self._metadata: tuple[Path, dict] | None = None  # (folder, DCP's index of it), read once per resume
         self._planner = save_planner()
         # DCP's async save runs collectives in a thread of its own: they need a group of their own.
-        self._save_group = (async_save_group(options.collective_timeout())
+        self._save_group = (async_save_group(session_timeout())
                             if options.async_save and dist.is_initialized() else None)
         self._stager = reused_stager(device) if self._save_group is not None else None
         self._deleting: threading.Thread | None = None
@@ -158,7 +157,7 @@ class ShardedCheckpointer(Checkpointer):
     def publish_and_prune(self, partial: Path, final: Path, kept: set[int]) -> None:
         """Rank 0: the options beside the shards, the folder in place, older ones deleted (never the one just
         written, whatever older ones claim, nor those of the `kept` steps: the best)."""
-        write_json(partial / OPTIONS_FILE, every_option(self.options), durable=True)
+        write_json(partial / OPTIONS_FILE, self.recorded.values, durable=True)
         publish(partial, final)
         self.delete_in_background([old for step, old in list_sharded_checkpoints(self.ckpt_dir)[self.keep:]
                                    if old != final and step not in kept])

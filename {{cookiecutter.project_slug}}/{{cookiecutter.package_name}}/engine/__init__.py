@@ -1,0 +1,17 @@
+"""The engine: what every run uses and almost nobody needs to read. Its modules import one another and torch,
+never the package around them (task.py, train.py, options.py, ...), which import it.
+
+What it guarantees, whatever the task:
+- joining the job (distributed.py): torchrun's environment read once, a device per LOCAL_RANK, a fresh store
+  per torchrun attempt, the process group and a gloo side group; the job's sockets kept from loader workers
+  (processes.py);
+- a rank that stops making progress is named, with where every rank was, and ended so torchrun restarts the
+  group; SIGTERM saves and stops every rank after the same step (watchdog.py); a failed attempt says why in
+  one line, and a bug is not retrained on every restart (failure.py);
+- checkpoints (checkpoint/) written whole or not at all, resumed from the newest valid one at any world
+  size, with every rank's random generators (reproducibility.py) and the options they were trained with;
+  the replicas checked to hold one model (replicas.py); a stream's position (streaming.py).
+
+Names a user calls: `errors.UsageError` (refuse bad input in one line), `collectives` (all_reduce and
+friends, which also work in one plain process), `streaming`'s readers for a task's streamed datasets, and
+`checkpoint.build_checkpointer`'s components (add state to it in train.py)."""
