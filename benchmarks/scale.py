@@ -274,7 +274,7 @@ def main() -> None:
     torch.set_num_threads(1)
     project = bake_default_project()
     sys.path.insert(0, str(project))
-    from ddp_training import watchdog
+    from ddp_training.engine import watchdog
 
     print(f"torch {torch.__version__}; {os.cpu_count()} cores; ranks are threads of one process\n")
     side = ["store requests", "store bytes", "sockets", "creation s", "all-reduce s"]

@@ -10,7 +10,9 @@ EXECUTABLES = ["run_node.sh", "train.py", "slurm/train.sbatch"]
 # The template's own files in the optional folders, each kept only when its answer is "yes". Only these are
 # removed, and their folder only when that leaves it empty: `cookiecutter -f ... use_slurm=no` over an
 # existing project must keep the user's own files in slurm/ (issue 14).
-OPTIONAL_FILES = {"slurm/train.sbatch": "use_slurm", "k8s/pytorchjob.yaml": "use_kubernetes"}
+OPTIONAL_FILES = {"slurm/train.sbatch": "use_slurm", "k8s/pytorchjob.yaml": "use_kubernetes",
+                  "PACKAGE/preflight.py": "use_preflight", "PACKAGE/profiling.py": "use_profiling",
+                  "PACKAGE/export.py": "use_export", "docs/export.md": "use_export", "PACKAGE/trackers.py": "use_trackers"}
 # Examples whose diffs edit the image task's task.py, kept only in its bakes.
 IMAGE_TASK_EXAMPLES = ["regression", "dict-batches", "whole-set-metric", "gan", "distillation", "two-optimizers"]
 
@@ -22,8 +24,10 @@ def make_executable(path: Path) -> None:
 
 def remove_unwanted_files(project: Path, answers: dict) -> None:
     for name, answer in OPTIONAL_FILES.items():
-        path = project / name
-        if answers[answer] == "yes" or not path.exists():
+        if answers.get(answer, "yes") == "yes":  # asked for (or an answer this template's version did not ask)
+            continue
+        path = project / name.replace("PACKAGE", answers.get("package_name", "PACKAGE"))
+        if not path.exists():
             continue
         path.unlink()
         if not any(path.parent.iterdir()):

@@ -168,7 +168,8 @@ def test_recorded_answers_are_every_answer_given(default_project):
     assert json.loads((default_project / ".cookiecutter.json").read_text()) == {
         "project_name": "DDP Training", "project_slug": "ddp-training", "package_name": "ddp_training",
         "author": "Your Name", "nnodes": "1", "nproc_per_node": "auto", "rdzv_port": "29400", "max_restarts": "3",
-        "gpus_per_node": "8", "use_slurm": "yes", "use_kubernetes": "no", "strategy": "ddp",
+        "gpus_per_node": "8", "use_slurm": "yes", "use_kubernetes": "no", "use_preflight": "yes",
+        "use_profiling": "yes", "use_export": "yes", "use_trackers": "yes", "strategy": "ddp",
         "task": "image_classification"}
 
 
@@ -193,7 +194,8 @@ def test_baking_again_without_slurm_removes_only_the_templates_files(tmp_path):
     slurm = tmp_path / "slurm"
     slurm.mkdir()
     (slurm / "our_sweep.sbatch").write_text("#!/bin/bash\n")
-    answers = {"use_slurm": "no", "use_kubernetes": "yes", "task": "image_classification"}
+    answers = {"use_slurm": "no", "use_kubernetes": "yes", "task": "image_classification", "package_name": "p",
+               "use_preflight": "no", "use_profiling": "yes", "use_export": "yes", "use_trackers": "yes"}
     for _ in range(2):
         (slurm / "train.sbatch").write_text("#!/bin/bash\n")
         POST_GEN.remove_unwanted_files(tmp_path, answers)

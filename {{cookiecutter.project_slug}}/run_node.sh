@@ -3,8 +3,10 @@
 # torchrun's c10d rendezvous on RDZV_ENDPOINT groups them, numbers the ranks, and restarts the group on
 # failure. Arguments after the script go to train.py.
 #
+{%- if cookiecutter.use_preflight == "yes" %}
 #   ./run_node.sh --preflight                                       # check ranks, devices, network first
 #
+{%- endif %}
 #   ./run_node.sh --epochs 5                                        # one machine, all its devices
 #   NNODES=2 RDZV_ENDPOINT=node0:{{ cookiecutter.rdzv_port }} ./run_node.sh --epochs 5       # on node0 AND on node1
 #
@@ -47,10 +49,12 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-100}"
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
 ENTRY_POINT=(train.py)
+{%- if cookiecutter.use_preflight == "yes" %}
 if [[ "${1:-}" == --preflight ]]; then
   shift
   ENTRY_POINT=(-m {{ cookiecutter.package_name }}.preflight)
 fi
+{%- endif %}
 
 if [[ -z "$RDZV_ENDPOINT" ]]; then
   if [[ "$MAX_NODES" != 1 ]]; then

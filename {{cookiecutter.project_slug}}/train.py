@@ -28,7 +28,7 @@ from types import SimpleNamespace
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from {{ cookiecutter.package_name }}.data import build_loaders, to_device
+from {{ cookiecutter.package_name }}.data import OnDevice, build_loaders
 from {{ cookiecutter.package_name }}.engine.checkpoint import build_checkpointer, check_checkpoint_dir
 from {{ cookiecutter.package_name }}.engine.distributed import (
     DistEnv,
@@ -61,7 +61,9 @@ from {{ cookiecutter.package_name }}.optim import (
 )
 from {{ cookiecutter.package_name }}.options import TrainOptions, parse_options, recorded
 from {{ cookiecutter.package_name }}.parallel import uses_channels_last, wrap_networks
+{% if cookiecutter.use_profiling == "yes" -%}
 from {{ cookiecutter.package_name }}.profiling import StepProfiler, record_memory_history
+{% endif -%}
 from {{ cookiecutter.package_name }}.selection import ModelSelection
 from {{ cookiecutter.package_name }}.spec import Task
 from {{ cookiecutter.package_name }}.task import TASK
@@ -157,8 +159,10 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     progress = checkpointer.resume(TrainingProgress)  # the newest checkpoint's, or a fresh one
     # A stream's run is a number of samples (--max-steps steps of its first world size), which a resize keeps.
     max_samples = lr_schedule.stream_samples  # None for a map-style set: --epochs, or --max-steps steps
+{%- if cookiecutter.use_profiling == "yes" %}
     profiler = StepProfiler(options.profiling, options.logging.log_dir, env, device, watchdog)  # --profile-steps
     profiler.before_step(progress.step + 1)
+{%- endif %}
     first_step = progress.step + 1  # of this run
     if options.eval_every:  # one held-out batch now, so a bug in the evaluation path shows before training
         with watchdog.slow_phase("checking evaluation on one batch"):
@@ -190,17 +194,20 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
             break  # the loop's one exit
         train_loader.start_epoch(progress.epoch, progress.samples_in_epoch)  # mid-epoch: at the next unseen sample
         for micro_step, batch in enumerate(meter.timed(train_loader), start=1):
-            step_batches.append(to_device(batch, device, channels_last))  # whatever task.collate made
+            step_batches.append(batch)  # whatever task.collate made, moved to the device as the step reads it
             if micro_step % options.grad_accum:
                 continue  # --grad-accum: more micro-batches to this step
             lr = lr_schedule.set_lr(progress.samples_seen + samples_per_step / 2)  # at the step's middle
-            loss, grad_norm = step.run(training_step, step_batches, number=progress.step + 1)
+            batches = OnDevice(step_batches, device, channels_last)
+            loss, grad_norm = step.run(training_step, batches, number=progress.step + 1)
             meter.update(loss, sum(task.units_in_batch(micro_batch) for micro_batch in step_batches))
             step_batches = []
             amp.scaler.update()  # once a step, after every optimizer stepped: the fp16 scale for the next
             progress.advance(samples_per_step)
             meter.end_step(progress, lr, grad_norm)
+{%- if cookiecutter.use_profiling == "yes" %}
             profiler.before_step(progress.step + 1)  # before the beat: a profiled step is a slow one
+{%- endif %}
             watchdog.beat(progress.step)
             if progress.step == first_step and check_replicas_match(model, progress.step):  # again at each save
                 log.info("step %d: every rank holds the same parameters", progress.step)
@@ -220,7 +227,9 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
                 checkpointer.save(progress)  # before that evaluation: one that fails loses no training
 
     # meter.close() inside the phase, also on the SIGTERM exit: a tracker's last rows are sent within its limit.
+{%- if cookiecutter.use_profiling == "yes" %}
     profiler.close()  # a run that ended inside the profiled steps still writes their trace
+{%- endif %}
     with watchdog.slow_phase("final checkpoint"), contextlib.closing(meter):
         checkpointer.save(progress, wait=True)
     if stop_requested:  # preemption, or torchrun stopping the group
@@ -241,7 +250,9 @@ def main(argv: list[str] | None = None) -> None:
         task = TASK  # everything task.py gives the package: its datasets, models, loss, evaluation
         options = parse_options(argv, task.options, task.training_defaults)
         device = select_device(options.device, env)  # cuda:LOCAL_RANK (never the global rank), or the CPU
+{%- if cookiecutter.use_profiling == "yes" %}
         record_memory_history(options.profiling, options.logging.log_dir, device, env)  # from before the model is built
+{%- endif %}
         # Bad input fails here, on every rank, before any process group or download starts.
         task.check(options)
         check_checkpoint_dir(options.checkpoint.ckpt_dir)

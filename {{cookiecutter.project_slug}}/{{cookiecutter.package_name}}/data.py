@@ -8,7 +8,7 @@ import dataclasses
 import functools
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -149,8 +149,11 @@ def build_loaders(train_set: Dataset | StreamedDataset, eval_set: Dataset, optio
     # drop_last keeps every step's batch the same size on every rank. A generator of its own: otherwise each
     # new epoch's iterator draws a seed from the global RNG, and a resumed run (restored RNG, one more
     # iterator) would continue with other random numbers than the uninterrupted one (e.g. dropout masks).
+    # Workers read a whole step ahead: the step starts once its --grad-accum micro-batches are in.
+    read_ahead = (dict(prefetch_factor=max(2, math.ceil((options.grad_accum + 1) / options.num_workers)))
+                  if options.num_workers else {})
     train_loader = ShardedLoader(train_set, sampler=sampler, drop_last=True,
-                                 generator=torch.Generator().manual_seed(options.seed), **common)
+                                 generator=torch.Generator().manual_seed(options.seed), **common, **read_ahead)
     if len(train_loader) == 0:
         raise UsageError(
             f"the training set ({len(train_set)} samples) gives no full step of {options.grad_accum} x "
@@ -189,6 +192,22 @@ def tensors_in(batch: Any) -> Iterator[torch.Tensor]:
     elif isinstance(batch, (list, tuple)):
         for value in batch:
             yield from tensors_in(value)
+
+
+class OnDevice(Sequence):
+    """A step's micro-batches, left where the loader made them (pinned host memory) and each moved to the device
+    when it is read: the inputs of one micro-batch on the device at a time, not those of all --grad-accum."""
+
+    def __init__(self, batches: list, device: torch.device, channels_last: bool):
+        self.batches, self.device, self.channels_last = batches, device, channels_last
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, index: int) -> Any:
+        if isinstance(index, slice):
+            return [to_device(batch, self.device, self.channels_last) for batch in self.batches[index]]
+        return to_device(self.batches[index], self.device, self.channels_last)
 
 
 def to_device(batch: Any, device: torch.device, channels_last: bool = False) -> Any:

@@ -19,7 +19,9 @@ from .engine.collectives import all_reduce, world_size
 from .engine.distributed import DistEnv
 from .options import LoggingOptions, TrainOptions
 from .parallel import whole
+{%- if cookiecutter.use_trackers == "yes" %}
 from .trackers import TRACKERS, Tracker
+{%- endif %}
 
 log = logging.getLogger(__name__)
 
@@ -30,12 +32,17 @@ PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e1
 def build_meter(options: TrainOptions, env: DistEnv, device: torch.device, total_steps: int, done_steps: int,
                 unit: str = "samples", flops_per_unit: float | None = None,
                 changed_options: list[str] | None = None) -> TrainingMeter:
-    """The run's meter: metrics files with --log-dir, a tracker run and a progress bar on a terminal, all on
-    rank 0 only. `changed_options`: what this resume changed, for the tracker."""
+    """The run's meter: metrics files with --log-dir{% if cookiecutter.use_trackers == "yes" %}, a tracker run{% endif %} and a progress bar on a terminal, all on
+    rank 0 only. `changed_options`: what this resume changed{% if cookiecutter.use_trackers == "yes" %}, for the tracker{% endif %}."""
     metrics_log = None
+{%- if cookiecutter.use_trackers == "yes" %}
     if (options.logging.log_dir or options.logging.tracker in TRACKERS) and env.is_main_process:
         metrics_log = MetricsLog(options.logging, resumed_step=done_steps, restart=env.restart_count,
                                  tracker=Tracker(options, env, done_steps, changed_options or []))
+{%- else %}
+    if options.logging.log_dir and env.is_main_process:
+        metrics_log = MetricsLog(options.logging, resumed_step=done_steps, restart=env.restart_count)
+{%- endif %}
     # A bar for people watching a terminal; plain log lines for files, CI and schedulers.
     show_bar = options.logging.progress_bar if options.logging.progress_bar is not None else sys.stderr.isatty()
     progress_bar = ProgressBar(env.is_main_process and show_bar, total_steps, done_steps)
@@ -49,15 +56,19 @@ def build_meter(options: TrainOptions, env: DistEnv, device: torch.device, total
 
 class MetricsLog:
     """Rank 0's record of a run: in --log-dir, metrics.jsonl (one JSON object per row) and, with --tracker
-    tensorboard, its events; with --tracker wandb or mlflow, that tracker's run.
+    tensorboard, its events{% if cookiecutter.use_trackers == "yes" %}; with --tracker wandb or mlflow, that tracker's run{% endif %}.
 
     Rows are appended, so a restarted run continues the same file; rows for steps after the checkpoint it
-    resumed from appear twice (each with its restart number). TensorBoard drops its own stale ones, and the
-    trackers are not sent them again (trackers.py).
+    resumed from appear twice (each with its restart number). TensorBoard drops its own stale ones{% if cookiecutter.use_trackers == "yes" %}, and the
+    trackers are not sent them again (trackers.py){% endif %}.
     """
-
+{% if cookiecutter.use_trackers == "yes" %}
     def __init__(self, options: LoggingOptions, resumed_step: int, restart: int, tracker: Tracker):
         self.restart, self.tracker = restart, tracker
+{%- else %}
+    def __init__(self, options: LoggingOptions, resumed_step: int, restart: int):
+        self.restart = restart
+{%- endif %}
         self.jsonl = self.tensorboard = None
         if options.log_dir:
             folder = Path(options.log_dir)
@@ -79,14 +90,18 @@ class MetricsLog:
         if self.tensorboard is not None:
             for name, value in values.items():
                 self.tensorboard.add_scalar(f"{kind}/{name}", value, step)
+{%- if cookiecutter.use_trackers == "yes" %}
         self.tracker.log(kind, step, values)
+{%- endif %}
 
     def close(self) -> None:
         if self.jsonl is not None:
             self.jsonl.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+{%- if cookiecutter.use_trackers == "yes" %}
         self.tracker.close()
+{%- endif %}
 
 
 class ProgressBar:
@@ -129,7 +144,7 @@ class _WriteAboveBar:
 
 class TrainingMeter:
     """Accumulates loss on the device between log lines, so logging costs one all-reduce per interval, not a
-    host sync per step. Call `update` for every micro-batch and `end_step` after every optimizer step."""
+    host sync per step. Call `update` and `end_step` after every optimizer step."""
 
     def __init__(self, device: torch.device, log_every: int, metrics_log: MetricsLog | None,
                  progress_bar: ProgressBar, unit: str = "samples", flops_per_unit: float | None = None,
@@ -168,9 +183,9 @@ class TrainingMeter:
             yield batch
 
     def update(self, loss: torch.Tensor, units: int | torch.Tensor) -> None:
-        """After every micro-batch (or once a step, with the step's mean loss, for a task's training_step): its
-        loss and how many units (samples, tokens) this rank trained on; a tensor count stays on the device, so
-        counting costs no host sync."""
+        """After every optimizer step: the loss its training_step returned (the mean over its micro-batches) and
+        how many units (samples, tokens) this rank trained on; a tensor count is added where it is (on the
+        device, or a host count as a number), so counting costs no host sync."""
         self.loss_sum += loss.detach()
         self.micro_batches += 1
         self.units += units

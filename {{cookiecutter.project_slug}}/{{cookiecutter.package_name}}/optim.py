@@ -86,11 +86,11 @@ class Step:
             step.update("generator")
             return critic  # logged
 
-    backward(loss_of, batches): for each micro-batch (the step's --grad-accum, all on the device), loss_of(networks,
-    batch) under autocast, its backward scaled for fp16 and divided by the number of micro-batches; gradients
-    are all-reduced on the last one only. Returns the mean loss (detached). DDP's rules hold for each network:
-    one forward with gradients per backward (to score real and generated samples, concatenate them), and a
-    network used without gradients (the generator in the critic's loss) runs under torch.no_grad(), not with
+    backward(loss_of, batches): for each micro-batch (the step's --grad-accum, each moved to the device as it is
+    read), loss_of(networks, batch) under autocast, its backward scaled for fp16 and divided by the number of micro-
+    batches; gradients are all-reduced on the last one only. Returns the mean loss (detached). DDP's rules hold for
+    each network: one forward with gradients per backward (to score real and generated samples, concatenate them),
+    and a network used without gradients (the generator in the critic's loss) runs under torch.no_grad(), not with
     its output .detach()ed, which leaves DDP waiting for a backward that never comes.
     update(*names): those optimizers (none named: every one) take train.py's optimizer step (its `update`), each
     in turn: gradients unscaled (fp16), clipped (--clip-grad, over their parameters), checked (a NaN or inf loss

@@ -37,15 +37,20 @@ def group(kind: type, title: str):
 
 @dataclass
 class LoggingOptions:
-    """metrics.py and trackers.py: what rank 0 logs, how often, and where it sends it."""
+    """metrics.py{% if cookiecutter.use_trackers == "yes" %} and trackers.py{% endif %}: what rank 0 logs, how often, and where it sends it."""
 
     log_every: int = option(10, "log loss and throughput every this many steps (rank 0)")
     log_dir: str | None = option(
         None, "rank 0 writes LOG_DIR/metrics.jsonl (one JSON object per logged step and per evaluation), "
         "and with --tracker tensorboard its event files there")
+{%- if cookiecutter.use_trackers == "yes" %}
     tracker: Literal["tensorboard", "wandb", "mlflow", "none"] = option(
         "tensorboard", "where rank 0 also sends each row: TensorBoard event files in --log-dir, or one "
         "Weights & Biases or MLflow run per job, continued by every restart (its id: CKPT_DIR/tracker.json)")
+{%- else %}
+    tracker: Literal["tensorboard", "none"] = option(
+        "tensorboard", "whether rank 0 also writes each row as TensorBoard event files in --log-dir")
+{%- endif %}
     progress_bar: bool | None = option(None, "tqdm progress bar on rank 0 (default: only when stderr is a terminal)")
 
 
@@ -56,11 +61,16 @@ class SelectionOptions:
     keep_best: str | None = option(
         None, "METRIC:min or METRIC:max (loss:min, accuracy:max: a metric the evaluation reports): after each "
         "epoch's evaluation (--eval-every), and the run's last one (at --epochs or --max-steps), that beats every "
-        "one before, save a checkpoint, which retention never deletes; CKPT_DIR/best.json names it and "
-        "`export --best CKPT_DIR` writes it")
+        "one before, save a checkpoint, which retention never deletes; CKPT_DIR/best.json names it"
+{%- if cookiecutter.use_export == "yes" %}
+        " and `export --best CKPT_DIR` writes it"
+{%- endif %})
     early_stop_patience: int | None = option(
         None, "with --keep-best: end training after this many evaluations in a row without a better metric "
         "(decided by rank 0 for every rank; a resumed job goes on counting)")
+
+
+{%- if cookiecutter.use_profiling == "yes" %}
 
 
 @dataclass
@@ -75,6 +85,14 @@ class ProfilingOptions:
         False, "CUDA: record the allocator's history from the start, and dump it to LOG_DIR/profile/"
         "memory-rank-<RANK>-step-<N>.pickle at the end of --profile-steps, and -out-of-memory.pickle on an "
         "out-of-memory error (open them in pytorch.org/memory_viz)")
+
+    def check(self, log_dir: str | None) -> None:
+        if self.profile_steps is not None and not (re.fullmatch(r"[1-9]\d*:[1-9]\d*", self.profile_steps) and log_dir):
+            raise UsageError(f"--profile-steps must be START:COUNT, both >= 1 (e.g. 10:3), with --log-dir for the "
+                             f"traces, got {self.profile_steps!r}" + ("" if log_dir else " and no --log-dir"))
+        if self.memory_snapshot and not log_dir:
+            raise UsageError("--memory-snapshot writes under --log-dir; give one")
+{%- endif %}
 
 
 @dataclass
@@ -130,13 +148,14 @@ class TrainOptions:
     watchdog: WatchdogOptions = group(WatchdogOptions, "progress and hangs")
     logging: LoggingOptions = group(LoggingOptions, "logging")
     selection: SelectionOptions = group(SelectionOptions, "the best checkpoint")
+{%- if cookiecutter.use_profiling == "yes" %}
     profiling: ProfilingOptions = group(ProfilingOptions, "profiling")
+{%- endif %}
     task: Any = field(default=None, metadata={"help": None})  # task.py's TaskOptions, set by parse_options
 
     def check(self) -> None:
         """Reject values that cannot work, each with what to do instead."""
-        checkpoint, watchdog, logging_, selection, profiling = (
-            self.checkpoint, self.watchdog, self.logging, self.selection, self.profiling)
+        checkpoint, watchdog, logging_, selection = self.checkpoint, self.watchdog, self.logging, self.selection
         at_least_one = {"epochs": self.epochs, "batch_size": self.batch_size, "grad_accum": self.grad_accum,
                         "ckpt_every": checkpoint.ckpt_every, "keep_checkpoints": checkpoint.keep_checkpoints,
                         "log_every": logging_.log_every}
@@ -173,13 +192,9 @@ class TrainOptions:
                 selection.keep_best is None or selection.early_stop_patience < 1):
             raise UsageError("--early-stop-patience needs --keep-best METRIC:min|max (the metric it waits on) and a "
                              f"value >= 1, got {selection.early_stop_patience}")
-        if profiling.profile_steps is not None and not (
-                re.fullmatch(r"[1-9]\d*:[1-9]\d*", profiling.profile_steps) and logging_.log_dir):
-            raise UsageError(f"--profile-steps must be START:COUNT, both >= 1 (e.g. 10:3), with --log-dir for the "
-                             f"traces, got {profiling.profile_steps!r}"
-                             + ("" if logging_.log_dir else " and no --log-dir"))
-        if profiling.memory_snapshot and not logging_.log_dir:
-            raise UsageError("--memory-snapshot writes under --log-dir; give one")
+{%- if cookiecutter.use_profiling == "yes" %}
+        self.profiling.check(logging_.log_dir)
+{%- endif %}
         if not re.fullmatch(r"none|full|every-[1-9]\d*", self.activation_checkpointing):
             raise UsageError("--activation-checkpointing must be none, full or every-N (N >= 1), got "
                              f"{self.activation_checkpointing!r}")

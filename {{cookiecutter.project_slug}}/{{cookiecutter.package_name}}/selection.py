@@ -20,7 +20,7 @@ class ModelSelection:
     """Which evaluation was the best so far, and how many came after it without beating it. A checkpoint
     component (state_dict/load_state_dict), registered whether or not the flags are given, so that they can be
     added or dropped on resume: a job killed mid-patience goes on counting. Its kept_step is a checkpoint
-    retention never deletes; CKPT_DIR/best.json names it for export --best."""
+    retention never deletes; CKPT_DIR/best.json names it{% if cookiecutter.use_export == "yes" %} for export --best{% endif %}."""
 
     def __init__(self, options: SelectionOptions, ckpt_dir: str, env: DistEnv):
         self.metric, _, mode = (options.keep_best or "").rpartition(":")
@@ -78,8 +78,11 @@ class ModelSelection:
         the state judge() kept alike on all of them (or a checkpoint restored on all)."""
         if self.patience is None or self.evaluations_since_best < self.patience:
             return False
-        best = (f"than {self.best_value:g} (step {self.best_step}); the best checkpoint is kept (export it with "
-                "--best)" if self.best_step is not None else "(none was a number)")
+        best = (f"than {self.best_value:g} (step {self.best_step}); the best checkpoint is kept"
+{%- if cookiecutter.use_export == "yes" %}
+                " (export it with --best)"
+{%- endif %}
+                if self.best_step is not None else "(none was a number)")
         log.info("early stop: %d evaluations without a better %s %s", self.evaluations_since_best, self.metric, best)
         return True
 

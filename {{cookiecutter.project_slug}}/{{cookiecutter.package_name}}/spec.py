@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import inspect
 import logging
 import re
 from collections.abc import Callable
@@ -93,6 +94,9 @@ class Task:
         if (self.compute_loss is None) == (self.training_step is None):
             raise TypeError("Task(...) takes compute_loss (train.py steps every optimizer) or training_step (the "
                             "task steps them itself): one of the two")
+        if self.compute_loss is not None and not takes_three_arguments(self.compute_loss):
+            raise TypeError(f"Task(compute_loss=...) is called as compute_loss(model, batch, step); give "
+                            f"{getattr(self.compute_loss, '__name__', 'it')} a third parameter, step (optim.py's Step)")
         if not dataclasses.is_dataclass(self.options):
             raise TypeError(f"Task(options=...) must be a dataclass of the task's flags, got {self.options!r}")
         if self.prepare_data and "data_dir" not in {f.name for f in dataclasses.fields(self.options)}:
@@ -192,3 +196,15 @@ def describe_parameters(model: nn.Module) -> str:
     if not_saved:
         line += f"; not saved (the model builder makes them each run): {', '.join(not_saved)}"
     return line
+
+
+def takes_three_arguments(function: Callable) -> bool:
+    """Whether function(model, batch, step) binds: a compute_loss written for two arguments fails here, at
+    import, with what to change, not at the first step."""
+    try:
+        inspect.signature(function).bind(None, None, None)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (a builtin): let the call decide
+        pass
+    return True

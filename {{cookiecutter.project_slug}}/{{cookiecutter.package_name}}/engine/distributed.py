@@ -222,7 +222,7 @@ SESSION_TIMEOUT: list[timedelta] = []
 
 def session_timeout() -> timedelta:
     """The bound on any one collective that distributed_session was given (for groups made later)."""
-    return SESSION_TIMEOUT[0] if SESSION_TIMEOUT else timedelta(minutes=10)
+    return SESSION_TIMEOUT[0] if SESSION_TIMEOUT else dist.default_pg_timeout
 
 
 def side_group() -> dist.ProcessGroup | None:
