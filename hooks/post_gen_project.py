@@ -14,7 +14,8 @@ OPTIONAL_FILES = {"slurm/train.sbatch": "use_slurm", "k8s/pytorchjob.yaml": "use
                   "PACKAGE/preflight.py": "use_preflight", "PACKAGE/profiling.py": "use_profiling",
                   "PACKAGE/export.py": "use_export", "docs/export.md": "use_export", "PACKAGE/trackers.py": "use_trackers"}
 # Examples whose diffs edit the image task's task.py, kept only in its bakes.
-IMAGE_TASK_EXAMPLES = ["regression", "dict-batches", "whole-set-metric", "gan", "distillation", "two-optimizers"]
+IMAGE_TASK_EXAMPLES = ["regression", "dict-batches", "whole-set-metric", "gan", "distillation", "two-optimizers",
+                       "ema"]
 
 
 def make_executable(path: Path) -> None:

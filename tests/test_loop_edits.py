@@ -1,5 +1,6 @@
-"""Editing train.py keeps every guarantee: the generated project's loop examples (an EMA of the weights, two
-optimizers, a loss weight annealed with the step) apply alone and together, and a job with all three, killed
+"""Editing train.py and task.py keeps every guarantee: the generated project's examples of state kept from step
+to step (an EMA of the weights, kept by task.py; two optimizers; a loss weight annealed in train.py's loop) apply
+alone and together, and a job with all three, killed
 (kill -9 of a worker) and resumed, ends with every checkpoint entry bitwise equal to an uninterrupted run's,
 under FSDP2, the harder case (its state sharded, saved with --async-save: DCP writes the shards in a thread, on
 a gloo group of its own, and rank 0 publishes each folder once all are written, so the kill may land
@@ -78,6 +79,6 @@ def test_loop_edits_resume_bitwise_after_kill_9_under_fsdp2(edited_project, tmp_
 
 def test_the_task_independent_loop_edits_apply_to_the_language_model(bake):
     project = bake(task="language_model", project_name="Loop Edits LM")
-    for name in (EDITS[0], EDITS[2]):
-        patch(project, example_diff(project, name), "--dry-run")
-    assert not (project / "examples" / EDITS[1]).exists()  # shown against the image task's optimizer
+    patch(project, example_diff(project, "loss-weight"), "--dry-run")
+    for name in ("ema", "two-optimizers"):  # shown against the image task's task.py
+        assert not (project / "examples" / name).exists()

@@ -80,13 +80,28 @@ def test_an_unknown_name_says_which_file_and_function_to_edit(default_project, t
         "write a builder and add 'csv': <builder> to TASK's datasets in ddp_training/task.py"], result.stderr
 
 
-def test_a_frozen_module_left_out_of_checkpoints_and_a_spec_with_two_losses_are_checked(baked_module):
+def test_a_frozen_module_left_out_of_checkpoints_and_a_task_spec_that_cannot_work_are_checked(baked_module):
     import torch
     from torch import nn
 
     spec, task, errors = baked_module("spec"), baked_module("task"), baked_module("engine.errors")
     with pytest.raises(TypeError, match="compute_loss .* or training_step .*: one of the two"):
         spec.Task(**{**vars(task.TASK), "training_step": lambda step, batches: None})
+    with pytest.raises(TypeError, match=r"compute_loss\(model, batch, step\); give two_arguments a third parameter"):
+        def two_arguments(model, batch):
+            return 0
+        spec.Task(**{**vars(task.TASK), "compute_loss": two_arguments})
+    # State the task keeps beside the model: saveable, named apart from train.py's entries, evaluated with by name.
+    with pytest.raises(TypeError, match="evaluate_with='ema'.* Task\\(state=...\\), which is not given"):
+        spec.Task(**{**vars(task.TASK), "evaluate_with": "ema"})
+    taken = {"model", "optimizer"}
+    for state, message in (({"optimizer": nn.Linear(1, 1)}, "names an entry 'optimizer', which train.py saves"),
+                           ({"queue": [1, 2]}, r"\['queue'\] is a list, which a checkpoint cannot hold"),
+                           ({"ema": nn.Linear(1, 1)}, "evaluate_with='ema'.* with swapped_into")):
+        keeping = spec.Task(**{**vars(task.TASK), "state": lambda model, options, state=state: state,
+                               "evaluate_with": "ema"})
+        with pytest.raises(errors.UsageError, match=message):
+            keeping.build_state(nn.Linear(1, 1), None, taken)
 
     def distilled() -> nn.Module:
         torch.manual_seed(0)  # the teacher comes back the same, as from its own weights file

@@ -23,45 +23,6 @@ from cookiecutter.main import cookiecutter
 TEMPLATE = Path(__file__).resolve().parents[1]
 EXAMPLES = TEMPLATE / "{{cookiecutter.project_slug}}" / "examples"
 PACKAGE = "ddp_training"  # the default bake's package name, written back as the Jinja variable
-EMA_CLASS = '''
-
-class ExponentialMovingAverage:
-    """An exponential moving average of a model's parameters, e.g. to evaluate with. Under DDP the averages are
-    plain tensors; under FSDP2 they are DTensors sharded like the parameters, so each rank averages its own
-    shard without communicating (torch.optim.swa_utils.AveragedModel deep-copies the module, which FSDP2
-    refuses). Pass it to build_checkpointer() and a resume continues it exactly."""
-
-    def __init__(self, model: torch.nn.Module, decay: float):
-        self.decay = decay
-        self.averages = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
-
-    @torch.no_grad()
-    def update(self, model: torch.nn.Module) -> None:
-        """After each optimizer step: average += (1 - decay) * (parameter - average)."""
-        for name, parameter in model.named_parameters():
-            self.averages[name].lerp_(parameter.detach(), 1 - self.decay)
-
-    @contextlib.contextmanager
-    @torch.no_grad()
-    def swapped_into(self, model: torch.nn.Module):
-        """The averages in the model's parameters inside the block (evaluate them), the trained values after."""
-        trained = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
-        for name, parameter in model.named_parameters():
-            parameter.copy_(self.averages[name])
-        try:
-            yield model
-        finally:
-            for name, parameter in model.named_parameters():
-                parameter.copy_(trained[name])
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return dict(self.averages)
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            for name, average in self.averages.items():
-                average.copy_(state[name])
-'''
 
 IMAGE_SMOKE_ARGS = '''    smoke_test_args=["--data", "fake", "--fake-samples", "512", "--image-size", "16", "--batch-size", "16",
                      "--model", "small_cnn", "--num-workers", "0", "--device", "cpu", "--lr", "0.005"],
@@ -398,25 +359,19 @@ def distilled(options: TrainOptions, train_set: Dataset) -> nn.Module:
     (IMAGE_SMOKE_ARGS, IMAGE_SMOKE_ARGS.replace('"small_cnn"', '"distilled"')),
 ]}
 
-EMA = {
-    "PACKAGE/optim.py": [("END", EMA_CLASS)],
-    "train.py": [
-        ("from PACKAGE.optim import (\n", "from PACKAGE.optim import (\n    ExponentialMovingAverage,\n"),
-        ('''                                      lr_schedule=lr_schedule, grad_scaler=amp, selection=selection, **stream)
-''', '''                                      lr_schedule=lr_schedule, grad_scaler=amp, selection=selection, **stream,
-                                      ema=ema)
-'''),
-        ('''    checkpointer = build_checkpointer(options.checkpoint, recorded(options), env, device,
-''', '''    ema = ExponentialMovingAverage(model, decay=0.99)  # what each epoch's evaluation uses
-    checkpointer = build_checkpointer(options.checkpoint, recorded(options), env, device,
-'''),
-        ('            with watchdog.slow_phase("evaluating"):\n',
-         '            with watchdog.slow_phase("evaluating"), ema.swapped_into(model):\n'),
-        ("            amp.scaler.update()  # once a step, after every optimizer stepped: the fp16 scale for the next\n",
-         "            amp.scaler.update()  # once a step, after every optimizer stepped: the fp16 scale for the next\n"
-         "            ema.update(model)\n"),
-    ],
-}
+EMA = {"PACKAGE/task.py": [
+    ("from .optim import Step\n", "from .optim import ExponentialMovingAverage, Step\n"),
+    ("# ---- what the package calls ", '''def after_step(step: Step) -> None:
+    """After each optimizer step, on every rank: the averages follow the weights just stepped."""
+    step.state["ema"].update(step.model)
+
+
+# ---- what the package calls '''),
+    ("    compute_loss=compute_loss,\n", "    compute_loss=compute_loss,\n"
+     '    state=lambda model, options: {"ema": ExponentialMovingAverage(model, decay=0.99)},  # saved with the rest\n'
+     "    after_step=after_step,\n"
+     '    evaluate_with="ema",  # every evaluation, the run\'s last included, uses the averages\n'),
+]}
 
 TWO_OPTIMIZERS = {"PACKAGE/task.py": [
     (BUILD_OPTIMIZER, '''def build_optimizer(model: nn.Module, options: TrainOptions) -> dict[str, torch.optim.Optimizer]:

@@ -143,7 +143,10 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
         return loss
 
     training_step = task.training_step or loss_step
-    step = Step(networks, model, optimizers, amp, options, nonfinite, update)  # what training_step is given
+    # The task's own state beside the model (an EMA, say): updated by task.after_step, saved with the rest.
+    task_state = task.build_state(model, options, taken={"model", "optimizer", "lr_schedule", "grad_scaler",
+                                                         "selection", "stream_position"})
+    step = Step(networks, model, optimizers, amp, options, nonfinite, update, task_state)  # training_step's
     optimizer = step.optimizer  # every optimizer as one: scaled by the lr schedule, saved by checkpoints
     step_batches = []  # the micro-batches of the next step
     samples_per_step = options.batch_size * options.grad_accum * env.world_size  # all ranks together
@@ -155,7 +158,8 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     selection = ModelSelection(options.selection, options.checkpoint.ckpt_dir, env)
     checkpointer = build_checkpointer(options.checkpoint, recorded(options), env, device,
                                       sharded=options.strategy == "fsdp2", model=model, optimizer=optimizer,
-                                      lr_schedule=lr_schedule, grad_scaler=amp, selection=selection, **stream)
+                                      lr_schedule=lr_schedule, grad_scaler=amp, selection=selection, **stream,
+                                      **task_state)
     progress = checkpointer.resume(TrainingProgress)  # the newest checkpoint's, or a fresh one
     # A stream's run is a number of samples (--max-steps steps of its first world size), which a resize keeps.
     max_samples = lr_schedule.stream_samples  # None for a map-style set: --epochs, or --max-steps steps
@@ -177,7 +181,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     while True:
         # The one evaluation: after every --eval-every epochs and at the run's end; or one a SIGTERM cut short.
         if progress.evaluation_due and not stop_requested:
-            with watchdog.slow_phase("evaluating"):
+            with watchdog.slow_phase("evaluating"), task.evaluation_weights(model, task_state):
                 results = evaluate(model, eval_loader, device, amp, task,
                                    stop=lambda: stop.agreed_now(watchdog.sigterm_received))
             if results is None:  # SIGTERM reached some rank: saved as still due, evaluated on resume
@@ -203,12 +207,16 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
             meter.update(loss, sum(task.units_in_batch(micro_batch) for micro_batch in step_batches))
             step_batches = []
             amp.scaler.update()  # once a step, after every optimizer stepped: the fp16 scale for the next
+            task.after_step(step)  # the task's state after the update: an EMA, a momentum encoder
             progress.advance(samples_per_step)
             meter.end_step(progress, lr, grad_norm)
 {%- if cookiecutter.use_profiling == "yes" %}
             profiler.before_step(progress.step + 1)  # before the beat: a profiled step is a slow one
 {%- endif %}
             watchdog.beat(progress.step)
+            if task.rank_0_work and progress.step % task.rank_0_work[0] == 0:  # samples, a figure, every N steps
+                with watchdog.slow_phase("the task's work on rank 0"):
+                    task.work_alone(step, env, device)
             if progress.step == first_step and check_replicas_match(model, progress.step):  # again at each save
                 log.info("step %d: every rank holds the same parameters", progress.step)
             stop_requested = stop.agreed(watchdog.sigterm_received)  # SIGTERM reached some rank: same step on all

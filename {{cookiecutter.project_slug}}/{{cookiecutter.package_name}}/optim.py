@@ -103,9 +103,11 @@ class Step:
     def __init__(self, networks: SimpleNamespace, model: torch.nn.Module,
                  built: torch.optim.Optimizer | dict[str, torch.optim.Optimizer], amp: MixedPrecision,
                  options: TrainOptions, nonfinite: NonFiniteGuard,
-                 optimizer_step: Callable[[torch.optim.Optimizer, int], torch.Tensor]):
+                 optimizer_step: Callable[[torch.optim.Optimizer, int], torch.Tensor],
+                 state: dict[str, Any] | None = None):
         self.networks = networks
         self.model = model
+        self.state = state or {}  # the task's own (Task.state), by name
         self.options = options
         self.optimizers = built if isinstance(built, dict) else {"optimizer": built}  # task.build_optimizer's
         self.optimizer = as_one_optimizer(built)  # all of them, stepped as one by update()
@@ -163,6 +165,45 @@ class Step:
         norms = [whole(norm).float() for norm in self.grad_norms]  # one norm over every optimizer
         norms = torch.stack(norms) if norms else torch.zeros(1)
         return loss.detach(), torch.linalg.vector_norm(norms)
+
+
+class ExponentialMovingAverage:
+    """An exponential moving average of a model's parameters, to evaluate with (Task(state=..., after_step=...,
+    evaluate_with=...) in task.py). Under DDP the averages are plain tensors; under FSDP2 they are DTensors
+    sharded like the parameters, so each rank averages its own shard without communicating
+    (torch.optim.swa_utils.AveragedModel deep-copies the module, which FSDP2 refuses). Built after wrapping, it
+    holds what each rank holds; saved with the checkpoints, a resume continues it exactly."""
+
+    def __init__(self, model: torch.nn.Module, decay: float):
+        self.decay = decay
+        self.averages = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
+
+    @torch.no_grad()
+    def update(self, model: torch.nn.Module) -> None:
+        """After each optimizer step: average += (1 - decay) * (parameter - average)."""
+        for name, parameter in model.named_parameters():
+            self.averages[name].lerp_(parameter.detach(), 1 - self.decay)
+
+    @contextlib.contextmanager
+    @torch.no_grad()
+    def swapped_into(self, model: torch.nn.Module):
+        """The averages in the model's parameters inside the block (evaluate them), the trained values after."""
+        trained = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
+        for name, parameter in model.named_parameters():
+            parameter.copy_(self.averages[name])
+        try:
+            yield model
+        finally:
+            for name, parameter in model.named_parameters():
+                parameter.copy_(trained[name])
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.averages)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, average in self.averages.items():
+                average.copy_(state[name])
 
 
 def resolve_precision(requested: str, device: torch.device) -> str:

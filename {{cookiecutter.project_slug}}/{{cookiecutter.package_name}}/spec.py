@@ -6,6 +6,7 @@ defaults below; of compute_loss and training_step, one is given. Also here: the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -21,7 +22,7 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from .data import tensors_in
-from .engine.collectives import run_once_per_storage
+from .engine.collectives import barrier, run_once_per_storage
 from .engine.distributed import DistEnv
 from .engine.errors import UsageError
 from .options import TrainOptions
@@ -86,6 +87,20 @@ class Task:
     # and optimizers and keeps what train.py's own step does (accumulation, mixed precision, clipping). It
     # returns the loss to log. The model's top-level modules are then wrapped (DDP, FSDP2) one by one.
     training_step: Callable[[Any, list], torch.Tensor] | None = None
+    # State the task keeps beside the model, updated after each optimizer step (an EMA of the weights, a queue of
+    # keys): state(model, options) -> {name: anything with state_dict()/load_state_dict()}, built after wrapping
+    # (under FSDP2 from the sharded parameters) and saved and restored with every checkpoint, under its name;
+    # read as step.state[name]. after_step(step) runs on every rank after each optimizer step.
+    state: Callable[[nn.Module, TrainOptions], dict[str, Any]] | None = None
+    after_step: Callable[[Any], None] = lambda step: None
+    # The state entry whose swapped_into(model) context holds the weights every evaluation uses, the run's last
+    # included (an EMA's averages; optim.py's ExponentialMovingAverage has one). None: the trained weights.
+    evaluate_with: str | None = None
+    # Work one rank does alone every N optimizer steps (sample images, a figure, an upload): (N, work). After
+    # steps N, 2N, ... work(step, generator) runs on rank 0 while every other rank waits for it, in a phase the
+    # watchdog allows --io-timeout. Its random draws come from `generator` (seeded from --seed and the step), and
+    # torch's own generators are put back as they were after it: nothing it draws changes the training run.
+    rank_0_work: tuple[int, Callable[[Any, torch.Generator], None]] | None = None
     # What tests/ ask of the tiny run: (steps, ratio): after this many steps the mean loss of the last five is
     # below ratio x that of the first five. None: the loss need not fall (an adversarial pair's need not).
     smoke_test_learning: tuple[int, float] | None = (30, 0.7)
@@ -102,6 +117,12 @@ class Task:
         if self.prepare_data and "data_dir" not in {f.name for f in dataclasses.fields(self.options)}:
             raise TypeError(f"Task(prepare_data=...) downloads into options.task.data_dir: give "
                             f"{self.options.__name__} a data_dir field")
+        if self.evaluate_with is not None and self.state is None:
+            raise TypeError(f"Task(evaluate_with={self.evaluate_with!r}) names an entry of Task(state=...), which "
+                            "is not given")
+        if self.rank_0_work is not None and not (isinstance(self.rank_0_work, tuple) and len(self.rank_0_work) == 2
+                                                 and isinstance(self.rank_0_work[0], int) and self.rank_0_work[0] >= 1):
+            raise TypeError(f"Task(rank_0_work=...) is (every N steps, work), N >= 1; got {self.rank_0_work!r}")
         if not set(self.prepare_data) <= set(self.datasets):
             unknown = sorted(set(self.prepare_data) - set(self.datasets))
             raise TypeError(f"Task(prepare_data=...) names {unknown}, which are not in datasets")
@@ -121,6 +142,36 @@ class Task:
             run_once_per_storage(options.task.data_dir, env, device, lambda: prepare(options),
                                  what=f"preparing --data {options.task.data} in {options.task.data_dir}")
         return self.datasets[options.task.data](options)
+
+    def build_state(self, model: nn.Module, options: TrainOptions, taken: set[str]) -> dict[str, Any]:
+        """The task's state (Task.state), checked: every entry saveable, none named like one of `taken` (the
+        checkpoint entries train.py saves), and the one evaluate_with names among them."""
+        state = self.state(model, options) if self.state is not None else {}
+        for name, value in state.items():
+            if name in taken:
+                raise UsageError(f"task.py: Task(state=...) names an entry {name!r}, which train.py saves already; "
+                                 "rename it")
+            if not (hasattr(value, "state_dict") and hasattr(value, "load_state_dict")):
+                raise UsageError(f"task.py: Task(state=...)[{name!r}] is a {type(value).__name__}, which a "
+                                 "checkpoint cannot hold; give it state_dict() and load_state_dict()")
+        if self.evaluate_with is not None and not hasattr(state.get(self.evaluate_with), "swapped_into"):
+            raise UsageError(f"task.py: Task(evaluate_with={self.evaluate_with!r}) needs an entry of that name in "
+                             "Task(state=...) with swapped_into(model)")
+        return state
+
+    def evaluation_weights(self, model: nn.Module, state: dict[str, Any]) -> contextlib.AbstractContextManager:
+        """The weights evaluation runs with: the state entry evaluate_with names, swapped into the model."""
+        if self.evaluate_with is None:
+            return contextlib.nullcontext(model)
+        return state[self.evaluate_with].swapped_into(model)
+
+    def work_alone(self, step: Any, env: DistEnv, device: torch.device) -> None:
+        """Task.rank_0_work's work after step.number: on rank 0, with a generator of its own and torch's generators
+        restored after it, while the other ranks wait for it in a barrier."""
+        if env.rank == 0:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                self.rank_0_work[1](step, torch.Generator().manual_seed(step.options.seed + step.number))
+        barrier(device)
 
     def build_model(self, options: TrainOptions, train_set: Dataset | None) -> nn.Module:
         model = self.model_builder(options.task.model)(options, train_set)
