@@ -446,9 +446,9 @@ def test_work_rank_0_does_alone_is_waited_for_and_changes_nothing_the_run_trains
     # watchdog (faulthandler, 2 x 3 + 10 s), in the phase the loop gives it: rank 1 waits. Its draws from torch's
     # generator are undone, so step 8 is the reference's, bit for bit, RNG states included.
     project = with_task_code(default_project, tmp_path, RANK_0_WORK)
-    args = tiny_run(num_workers=0, max_steps=8, step_timeout=3, ckpt_dir=tmp_path / "ckpt")
+    args = tiny_run(num_workers=0, max_steps=8, step_timeout=3)
     assert_trains_like_bare(args)
-    result = run_job(project, args, WORK_LOG=str(tmp_path))
+    result = run_job(project, [*args, "--ckpt-dir", str(tmp_path / "ckpt")], WORK_LOG=str(tmp_path))
     assert result.returncode == 0, result.stderr[-4000:]
     assert "no progress" not in result.stderr, result.stderr[-4000:]
     assert_bitwise_equal(checkpoint(tmp_path / "ckpt", 8), checkpoint(uninterrupted_bare, 8))

@@ -91,6 +91,19 @@ def test_a_frozen_module_left_out_of_checkpoints_and_a_task_spec_that_cannot_wor
         def two_arguments(model, batch):
             return 0
         spec.Task(**{**vars(task.TASK), "compute_loss": two_arguments})
+    # Modules in a plain list are not registered: never trained, synced or saved, and no error would say so.
+    class Unregistered(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(2, 2)
+            self.blocks = [nn.Linear(2, 2)]
+            self.shortcuts = {"head": self.head}  # only a reference to a registered module: fine
+    with pytest.raises(errors.UsageError, match=r"a plain list, blocks, which torch does not register.* an "
+                                                r"nn.ModuleList in task.py"):
+        spec.check_every_module_is_registered(Unregistered())
+    unregistered = Unregistered()
+    unregistered.blocks = nn.ModuleList(unregistered.blocks)
+    spec.check_every_module_is_registered(unregistered)
     # State the task keeps beside the model: saveable, named apart from train.py's entries, evaluated with by name.
     with pytest.raises(TypeError, match="evaluate_with='ema'.* Task\\(state=...\\), which is not given"):
         spec.Task(**{**vars(task.TASK), "evaluate_with": "ema"})

@@ -175,6 +175,7 @@ class Task:
 
     def build_model(self, options: TrainOptions, train_set: Dataset | None) -> nn.Module:
         model = self.model_builder(options.task.model)(options, train_set)
+        check_every_module_is_registered(model)
         log.info("%s", describe_parameters(model))
         return model
 
@@ -247,6 +248,24 @@ def describe_parameters(model: nn.Module) -> str:
     if not_saved:
         line += f"; not saved (the model builder makes them each run): {', '.join(not_saved)}"
     return line
+
+
+def check_every_module_is_registered(model: nn.Module) -> None:
+    """Refuse modules kept in a plain list, tuple or dict attribute: torch does not register them, so their
+    parameters would be neither trained (the optimizer never sees them), all-reduced, sharded nor saved, and
+    the run would go on without an error."""
+    registered = set(model.modules())  # a list that only refers to registered modules is the model's own business
+    for owner_name, owner in model.named_modules():
+        for attribute, value in vars(owner).items():
+            if attribute.startswith("_"):  # torch's own: _modules, _parameters, hooks
+                continue
+            members = value.values() if isinstance(value, dict) else value if isinstance(value, list | tuple) else ()
+            if any(isinstance(member, nn.Module) and member not in registered for member in members):
+                where = f"{owner_name}.{attribute}" if owner_name else attribute
+                kind = "nn.ModuleDict" if isinstance(value, dict) else "nn.ModuleList"
+                raise UsageError(f"the model keeps modules in a plain {type(value).__name__}, {where}, which torch "
+                                 f"does not register: their parameters would not be trained, synced or saved; "
+                                 f"make it an {kind} in task.py")
 
 
 def takes_three_arguments(function: Callable) -> bool:
