@@ -56,6 +56,9 @@ def test_loop_edits_resume_bitwise_after_kill_9_under_fsdp2(edited_project, tmp_
         return [*tiny_run(**RUN, strategy="fsdp2", ckpt_dir=ckpt_dir), "--async-save"]
     uninterrupted = run_job(edited_project, args(tmp_path / "uninterrupted"))
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-4000:]
+    # The head's AdamW at a tenth of --lr: the log says which lr its lines show.
+    assert ("the logged lr is --lr (0.01) on the schedule; the optimizer's 2 param groups peak at 0.001 to 0.01"
+            in uninterrupted.stderr), uninterrupted.stderr[-4000:]
     killed = start_job(edited_project, args(tmp_path / "killed"), max_restarts=1)
     output = kill_a_worker_and_finish(killed, tmp_path / "killed" / "step-8")
     assert "(a copy in memory: writing it in the background)" in output, output[-4000:]

@@ -301,6 +301,11 @@ class LearningRateSchedule:
                  samples_per_step: int):
         self.optimizer = optimizer
         self.peaks = [group["lr"] for group in optimizer.param_groups]
+        self.logged_peak = options.lr  # the lr logged is --lr on the schedule, whatever each group's own is
+        if any(peak != options.lr for peak in self.peaks):
+            log.info("the logged lr is --lr (%g) on the schedule; the optimizer's %d param groups peak at %g to %g "
+                     "(what build_optimizer gave them), each on the same schedule", options.lr, len(self.peaks),
+                     min(self.peaks), max(self.peaks))
         self.decay = options.lr_schedule
         self.spans_steps = None if samples_per_epoch is not None else options.max_steps
         self.samples_per_step = samples_per_step
@@ -322,12 +327,12 @@ class LearningRateSchedule:
         return steps_done + max(math.ceil((self.total_samples - samples_seen) / self.samples_per_step), 0)
 
     def set_lr(self, samples_seen: float) -> float:
-        """Set every param group's lr to the schedule's at `samples_seen` samples (a step's middle); returns the
-        first group's (the one logged)."""
+        """Set every param group's lr to the schedule's at `samples_seen` samples (a step's middle); returns --lr's
+        (the one logged)."""
         multiplier = warmup_then_decay(samples_seen, self.warmup_samples, self.total_samples, self.decay)
         for group, peak in zip(self.optimizer.param_groups, self.peaks, strict=True):
             group["lr"] = peak * multiplier
-        return self.peaks[0] * multiplier
+        return self.logged_peak * multiplier
 
     def state_dict(self) -> dict:
         state = {"warmup_steps": self.warmup_steps, "warmup_samples": self.warmup_samples}
