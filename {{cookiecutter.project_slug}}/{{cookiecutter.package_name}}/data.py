@@ -196,7 +196,8 @@ def tensors_in(batch: Any) -> Iterator[torch.Tensor]:
 
 class OnDevice(Sequence):
     """A step's micro-batches, left where the loader made them (pinned host memory) and each moved to the device
-    when it is read: the inputs of one micro-batch on the device at a time, not those of all --grad-accum."""
+    when it is read: the inputs of one or two micro-batches on the device at a time, not those of all
+    --grad-accum."""
 
     def __init__(self, batches: list, device: torch.device, channels_last: bool):
         self.batches, self.device, self.channels_last = batches, device, channels_last
