@@ -75,6 +75,12 @@ def test_loop_edits_resume_bitwise_after_kill_9_under_fsdp2(edited_project, tmp_
     assert expected["progress"]["loss_weight"] == annealed
     assert set(expected["ema"]) == set(expected["model"])
     assert any(not torch.equal(expected["ema"][name], expected["model"][name]) for name in expected["model"])
+    # Export writes what evaluation used (TASK's evaluate_with): the averages, the model's buffers beside them.
+    exported = tmp_path / "exported" / "model.pt"
+    result = run(["python", "-m", "loop_edits.export", str(tmp_path / "uninterrupted" / "step-24"), str(exported)],
+                 cwd=edited_project)
+    assert result.returncode == 0 and "of the 'ema' entry, as evaluation used them" in result.stdout, result.stderr
+    assert_same(torch.load(exported, weights_only=True), {**expected["model"], **expected["ema"]})
     # torch's distributed state_dict merges the optimizers, keyed by parameter name
     adamw_steps = {float(state["step"]) for state in expected["optimizer"]["state"].values() if "step" in state}
     assert adamw_steps == {24.0}, adamw_steps

@@ -7,7 +7,8 @@
 
 writes model.pt (the state_dict, for torch.load), model.safetensors (the same tensors, loadable by any
 safetensors reader without pickle) and model.json (the task options that rebuild the model, and the step).
-One process, no GPU or torchrun needed; the README shows loading them.
+A task that evaluates with other weights (TASK's evaluate_with: an EMA) has those written, unless --trained
+asks for the weights as trained. One process, no GPU or torchrun needed; the README shows loading them.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from .engine.checkpoint import missing_pieces
 from .engine.checkpoint.folder import BEST_RECORD, every_checkpoint
 from .engine.checkpoint.sharded import saved_options
-from .task import TaskOptions
+from .task import TASK, TaskOptions
 
 
 def is_whole(checkpoint: Path) -> bool:
@@ -63,31 +64,43 @@ def load_model_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     return load_checkpoint(checkpoint)[0]
 
 
-def load_checkpoint(checkpoint: Path) -> tuple[dict[str, torch.Tensor], dict, int]:
-    """(the model's full state_dict, the options the run had, its step) from either kind of checkpoint."""
+def load_checkpoint(checkpoint: Path, weights: str | None = None) -> tuple[dict[str, torch.Tensor], dict, int]:
+    """(the model's full state_dict, the options the run had, its step) from either kind of checkpoint; with
+    `weights`, the name of a task state entry (an EMA) whose tensors replace the model's of the same names."""
+    entries = ("model",) if weights is None else ("model", weights)
     if checkpoint.is_dir():
         if problem := missing_pieces(checkpoint):
             raise SystemExit(f"error: {checkpoint} is not a complete checkpoint ({problem})")
-        state = model_and_step(checkpoint)
-        return state["model"], saved_options(checkpoint) or {}, int(state["progress"]["step"])
-    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
-    return state["model"], state.get("options", {}), int(state["step"])
+        state = entries_and_step(checkpoint, entries)
+        options, step = saved_options(checkpoint) or {}, int(state["progress"]["step"])
+    else:
+        state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+        options, step = state.get("options", {}), int(state["step"])
+    model = state["model"]
+    if weights is not None:
+        replaced = state.get(weights) or {}
+        if not replaced or not replaced.keys() <= model.keys():
+            raise SystemExit(f"error: {checkpoint} holds no {weights!r} entry of the model's tensors (TASK's "
+                             "evaluate_with); export the weights as trained with --trained")
+        model = {**model, **replaced}
+    return model, options, step
 
 
-def model_and_step(folder: Path) -> dict:
-    """{"model": the whole model's state_dict, "progress": {"step": N}} from a DCP folder, in this one process:
-    DCP reads each parameter's shards from every rank's file into one tensor. Only the model's values are read,
-    not the optimizer's moments beside them (twice the model's size for Adam), nor written to a scratch file
-    first, as DCP's own dcp_to_torch_save does."""
+def entries_and_step(folder: Path, entries: tuple[str, ...]) -> dict:
+    """{entry: its whole state_dict, ..., "progress": {"step": N}} from a DCP folder, in this one process: DCP
+    reads each tensor's shards from every rank's file into one tensor. Only these entries' values are read, not
+    the optimizer's moments beside them (twice the model's size for Adam), nor written to a scratch file first,
+    as DCP's own dcp_to_torch_save does."""
     from torch.distributed import checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     reader = dcp.FileSystemReader(str(folder))
     saved = reader.read_metadata().state_dict_metadata
-    model = {name.removeprefix("model."): (torch.empty(value.size, dtype=value.properties.dtype)
-                                            if isinstance(value, TensorStorageMetadata) else None)
-             for name, value in saved.items() if name.startswith("model.")}
-    state = {"model": model, "progress": {"step": 0}}
+    state: dict = {"progress": {"step": 0}}
+    for entry in entries:
+        state[entry] = {name.removeprefix(f"{entry}."): (torch.empty(value.size, dtype=value.properties.dtype)
+                                                         if isinstance(value, TensorStorageMetadata) else None)
+                        for name, value in saved.items() if name.startswith(f"{entry}.")}
     dcp.load(state, storage_reader=reader)  # no process group here: one process
     return state
 
@@ -113,6 +126,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("output", type=Path, help="the .pt file to write: the model's state_dict")
     parser.add_argument("--best", action="store_true",
                         help="with a --ckpt-dir: the checkpoint --keep-best kept (best.json), not the newest")
+    parser.add_argument("--trained", action="store_true",
+                        help=f"the weights as trained, not TASK's evaluate_with ({TASK.evaluate_with!r})"
+                        if TASK.evaluate_with else argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if not args.checkpoint.exists():
         sys.exit(f"error: {args.checkpoint} does not exist")
@@ -124,7 +140,8 @@ def main(argv: list[str] | None = None) -> None:
         checkpoint = best_checkpoint(checkpoint)
     elif checkpoint.is_dir() and not (checkpoint / ".metadata").exists():
         checkpoint = newest_checkpoint(checkpoint)
-    weights, options, step = load_checkpoint(checkpoint)
+    evaluated = None if args.trained else TASK.evaluate_with  # what every evaluation used: an EMA, say
+    weights, options, step = load_checkpoint(checkpoint, evaluated)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     torch.save(weights, args.output)
     # "format": "pt" is what Hugging Face's loaders look for in a safetensors file written from torch.
@@ -137,7 +154,9 @@ def main(argv: list[str] | None = None) -> None:
     args.output.with_suffix(".json").write_text(json.dumps({"step": step, "task": task_options}, indent=1) + "\n")
     print(f"wrote {len(weights)} tensors ({sum(t.numel() for t in weights.values()):,} values) "
           f"from {checkpoint} to {args.output}, {args.output.with_suffix('.safetensors').name} and "
-          f"{args.output.with_suffix('.json').name}")
+          f"{args.output.with_suffix('.json').name}"
+          + (f"; the model's tensors of the {evaluated!r} entry, as evaluation used them (--trained: as trained)"
+             if evaluated else ""))
 
 
 if __name__ == "__main__":

@@ -94,7 +94,8 @@ class Task:
     state: Callable[[nn.Module, TrainOptions], dict[str, Any]] | None = None
     after_step: Callable[[Any], None] = lambda step: None
     # The state entry whose swapped_into(model) context holds the weights every evaluation uses, the run's last
-    # included (an EMA's averages; optim.py's ExponentialMovingAverage has one). None: the trained weights.
+    # included, and whose state_dict export writes over the model's (an EMA's averages; optim.py's
+    # ExponentialMovingAverage has both). None: the trained weights.
     evaluate_with: str | None = None
     # Work one rank does alone every N optimizer steps (sample images, a figure, an upload): (N, work). After
     # steps N, 2N, ... work(step, generator) runs on rank 0 while every other rank waits for it, in a phase the
