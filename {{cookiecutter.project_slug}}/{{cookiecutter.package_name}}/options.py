@@ -402,4 +402,5 @@ def recorded(options: TrainOptions) -> RecordedOptions:
     """The options as checkpoints keep them: every one by name, the task options marked fixed=True (a checkpoint
     cannot be resumed once they change), and the --config file that runs this run again."""
     return RecordedOptions(every_option(options), frozenset(
-        spec.name for spec in dataclasses.fields(options.task) if spec.metadata.get("fixed")), config_text(options))
+        spec.name for spec in dataclasses.fields(options.task) if spec.metadata.get("fixed")),
+        lambda: config_text(options))

@@ -58,7 +58,8 @@ class RecordedOptions:
 
     values: dict[str, Any]  # every option by name, the task's included
     fixed: frozenset[str]  # those a checkpoint cannot be resumed under once changed (a model's width)
-    config_text: str  # CKPT_DIR/config.yaml: the --config file that runs this run again
+    config_text: Callable[[], str]  # CKPT_DIR/config.yaml, the --config file that runs this run again: made by the
+    # writer (rank 0) alone, as it writes it
 
 
 def check_checkpoint_dir(ckpt_dir: str) -> None:
@@ -372,7 +373,7 @@ class Checkpointer:
     def record_config(self) -> None:
         """This run's options beside its checkpoints, as a --config file (rank 0)."""
         if self.env.rank == 0:
-            write_text(self.ckpt_dir / CONFIG_RECORD, self.recorded.config_text)
+            write_text(self.ckpt_dir / CONFIG_RECORD, self.recorded.config_text())
 
     def check_saved_entries(self, source: Path, entries: set[str], progress_fields: set[str]) -> set[str]:
         """The components to restore from `source`. A checkpoint that does not hold what this code saves (state
