@@ -115,6 +115,12 @@ def test_a_frozen_module_left_out_of_checkpoints_and_a_task_spec_that_cannot_wor
                                "evaluate_with": "ema"})
         with pytest.raises(errors.UsageError, match=message):
             keeping.build_state(nn.Linear(1, 1), None, taken)
+    # A name a checkpoint keeps for itself (a DDP file is one flat dict): refused, not overwritten.
+    checkpoint, distributed = baked_module("engine.checkpoint"), baked_module("engine.distributed")
+    with pytest.raises(errors.UsageError, match="an entry named 'progress', a name checkpoints keep for themselves"):
+        checkpoint.build_checkpointer(checkpoint.CheckpointOptions(), checkpoint.RecordedOptions({}, frozenset(), str),
+                                      distributed.DistEnv(), torch.device("cpu"), sharded=False,
+                                      model=nn.Linear(1, 1), progress=nn.Linear(1, 1))
 
     def distilled() -> nn.Module:
         torch.manual_seed(0)  # the teacher comes back the same, as from its own weights file

@@ -235,7 +235,7 @@ def check_finite(model: torch.nn.Module, step: int) -> None:
 
 
 # Names a checkpoint holds besides the components and progress's fields (a DDP file at its top level, a DCP
-# folder's "progress" entry): no field of train.py's TrainingProgress may take one.
+# folder's "progress" entry): no component and no field of train.py's TrainingProgress may take one.
 RESERVED_NAMES = {"world_size", "entries", "options", "progress", "torch_rng_state", "cpu_rng_states",
                   "cuda_rng_states"}
 
@@ -261,6 +261,10 @@ class Checkpointer:
         if "model" not in components:
             raise UsageError("build_checkpointer needs the unwrapped model as model=...; name everything else as "
                              "you like")
+        reserved = sorted(set(components) & RESERVED_NAMES)
+        if reserved:  # a DDP checkpoint is one flat dict: such an entry would be overwritten, silently
+            raise UsageError(f"build_checkpointer: an entry named {reserved[0]!r}, a name checkpoints keep for "
+                             f"themselves ({', '.join(sorted(RESERVED_NAMES))}); rename it")
         self.components = components
         self.progress_type: type | None = None  # train.py's TrainingProgress, which resume() is given first
         self.last_saved: tuple | None = None  # what tells two saves of one step apart
