@@ -79,6 +79,42 @@ def test_a_bug_in_task_code_is_reported_once_per_job_not_retrained_and_ends_ever
     assert len(re.findall(r"run_id=known-bug restart=\d", ours)) == 2, output
 
 
+# A 0-d parameter, as reference CLIP code has (a learned temperature): FSDP2 refuses it inside torch, at start-up.
+SCALAR_PARAMETER = '''
+
+import dataclasses
+
+_small_cnn = TASK.models["small_cnn"]
+
+
+def small_cnn(*args, **kwargs):
+    model = _small_cnn(*args, **kwargs)
+    model.temperature = torch.nn.Parameter(torch.ones([]))
+    return model
+
+
+TASK = dataclasses.replace(TASK, models={**TASK.models, "small_cnn": small_cnn})
+'''
+
+
+@pytest.mark.slow
+def test_an_error_inside_torch_at_start_up_is_reported_once_and_not_retried(default_project, tmp_path):
+    # Raised in torch's files, not the project's, but before the first step and the same at each attempt:
+    # retrying cannot help. Before, its traceback was printed once per restart and every restart was used.
+    project = with_task_code(default_project, tmp_path, SCALAR_PARAMETER)
+    result = run_job(project, [*tiny_run(num_workers=0, ckpt_dir=tmp_path / "ckpt"), "--strategy", "fsdp2"],
+                     nproc=1, max_restarts=2)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    ours = output.split("train.py FAILED")[0]  # torchrun's summary repeats the last attempt's error
+    assert ours.count("fully_shard doesn't support scalar parameters") == 2, output  # a traceback, and the line
+    bug_lines = [line for line in ours.splitlines() if line.startswith("error: ")]
+    assert len(bug_lines) == 1 and "a bug, not a fault, so the job is not retried" in bug_lines[0], output
+    assert bug_lines[0].startswith("error: ValueError: fully_shard doesn't support scalar parameters"), output
+    assert ours.count("[rank0]: Traceback") == 1, output  # the first attempt's; the third ends in silence
+    assert len(re.findall(r"run_id=\S+ restart=\d", ours)) == 2, output
+
+
 @pytest.mark.slow
 def test_a_usage_error_that_one_machine_alone_sees_ends_every_machine_at_once(default_project, tmp_path):
     # Machine 1 was given another flag: before, machine 0's rank waited for it in the process group's start-up

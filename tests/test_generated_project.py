@@ -6,6 +6,7 @@ import hashlib
 import mmap
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -272,8 +273,8 @@ def test_a_lost_peer_or_a_taken_port_is_one_line_that_says_what_happens_next(bak
         assert capsys.readouterr().err.startswith(f"[rank 1] {cause}{then}"), (error, then)
 
 
-def test_only_an_error_raised_in_the_projects_own_files_and_no_machine_fault_can_be_a_bug(baked_module,
-                                                                                         default_project):
+def test_an_error_in_the_projects_own_files_or_at_start_up_and_no_machine_fault_can_be_a_bug(baked_module,
+                                                                                         default_project, monkeypatch):
     # Raised by code compiled as if it were in these files: the innermost frame decides, and the kind of error.
     import torch
     import torch.distributed as dist
@@ -296,6 +297,10 @@ def test_only_an_error_raised_in_the_projects_own_files_and_no_machine_fault_can
         b"".join(path.read_bytes() for path in every_file)).hexdigest()[:16]
     assert failure.could_be_a_bug(raised_in(task, "1 / 0"))
     assert failure.could_be_a_bug(raised_in(train, "raise ValueError('bad shape')"))
+    assert failure.could_be_a_bug(raised_in(library, "raise ValueError('bad shape')")), "before the first step"
+    stepped = threading.Event()
+    stepped.set()  # this process trained a step: from now on only the project's own code can have a bug
+    monkeypatch.setattr(failure, "STEPPED", stepped)
     assert not failure.could_be_a_bug(raised_in(library, "raise ValueError('bad shape')")), "not the project's code"
     for fault in ("raise dist.DistBackendError('NCCL error: unhandled system error')",
                   "raise dist.DistStoreError('Socket Timeout')", "raise OSError(5, 'Input/output error')",

@@ -5,8 +5,9 @@
   (train.sbatch) is told not to requeue;
 - a rank that lost a peer (killed, its machine gone) prints one line, not a traceback: torchrun restarts the
   group from the newest checkpoint, which is the recovery, not a second error;
-- a bug (the same exception at the same place in this project's own files, from the same checkpoint, with
-  the same code and command, in two attempts in a row) is reported once per job: the first attempt's
+- a bug (the same exception at the same place, from the same checkpoint, with the same code and command, in two
+  attempts in a row; in this project's own files, or anywhere before the attempt's first step, such as torch's
+  refusal of a model at start-up) is reported once per job: the first attempt's
   traceback (one rank's; the others name it), one line from the retry that met it again, and silence from
   any later attempt under the same torchrun, which ends at once instead of retraining the same steps into
   the same error. torchrun has no exit status that means "do not restart" (pytorch/pytorch#133877), so the
@@ -47,7 +48,7 @@ from .distributed import DistEnv, PortTaken, as_file_name, publish_usage_error
 from .errors import UsageError
 from .processes import process_identity
 from .replicas import ReplicaCorrupted
-from .watchdog import REPORTING_A_HANG
+from .watchdog import REPORTING_A_HANG, STEPPED
 
 # What gloo and NCCL raise on a rank whose peer died: the group is gone, and torchrun restarts it.
 LOST_PEER = re.compile(r"Connection (reset|closed) by peer|Broken pipe|NCCL communicator was aborted|"
@@ -97,13 +98,14 @@ def innermost_frame(error: BaseException) -> tuple[Path, int] | None:
 
 
 def could_be_a_bug(error: BaseException) -> bool:
-    """Whether a repeat of `error` is a bug that only a change of code fixes: raised in this project's own files
-    (train.py, the package), and no fault of the machine."""
+    """Whether a repeat of `error` is a bug that only a change of code fixes: no fault of the machine, and
+    raised in this project's own files (train.py, the package), or anywhere before this attempt's first step
+    (torch's ValueError for a model FSDP2 cannot shard recurs at every start: retrying only prints it again)."""
     frame = innermost_frame(error)
     if is_machine_fault(error) or frame is None:
         return False
     where = frame[0].resolve()
-    return where == PROJECT_ROOT / "train.py" or where.is_relative_to(PACKAGE_ROOT)
+    return where == PROJECT_ROOT / "train.py" or where.is_relative_to(PACKAGE_ROOT) or not STEPPED.is_set()
 
 
 @dataclass(frozen=True)

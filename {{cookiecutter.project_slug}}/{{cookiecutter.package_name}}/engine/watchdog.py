@@ -58,6 +58,8 @@ NCCL_FIRST = 30.0
 # Set while this rank's watchdog reports a hang, which ends with os._exit: a main thread whose collective
 # fails meanwhile (the stopped rank has left) waits for the report instead of exiting first (failure.py).
 REPORTING_A_HANG = threading.Event()
+# Set at this attempt's first finished optimizer step: an error before it is one of start-up (see failure.py).
+STEPPED = threading.Event()
 # The main thread's innermost frame in one of these means it waits for other ranks: in a collective, or in a
 # backward pass whose gradient all-reduce waits for them.
 WAITING_IN = ("torch/distributed/", "torch/autograd/", "torch/_tensor.py")
@@ -159,6 +161,7 @@ class Watchdog:
             self._bound_collectives(slow=slow)
         self._phase = Phase(self.profiling or "training step", step + 1, slow, now)
         self._steps_done = step
+        STEPPED.set()
 
     @contextlib.contextmanager
     def slow_phase(self, what: str) -> Iterator[None]:
