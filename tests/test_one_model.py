@@ -8,6 +8,7 @@ import socket
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import checkpoint, run_job, tiny_run, with_task_code
 
 pytestmark = pytest.mark.slow  # torchrun jobs: `make test-fast` leaves these out
@@ -76,6 +77,30 @@ import dataclasses
 TASK = dataclasses.replace(TASK, models={**TASK.models, "nudged_cnn": nudged_cnn})
 '''
 
+# A branch taken on every other training forward (a mixture of experts' expert that gets no token, a conditional
+# head): at step 1 no rank gives `extra` a gradient, so DDP never all-reduces the bucket it shares.
+UNUSED_AT_STEP_1 = '''
+
+class SometimesExtra(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner, self.extra, self.forwards = inner, nn.Linear(10, 10), 0
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        self.forwards += self.training
+        logits = self.inner(images)
+        return logits + self.extra(logits) if self.training and self.forwards % 2 == 0 else logits
+
+
+def sometimes_extra_cnn(options, train_set):
+    return SometimesExtra(small_cnn(options, train_set))
+
+
+import dataclasses
+
+TASK = dataclasses.replace(TASK, models={**TASK.models, "sometimes_extra_cnn": sometimes_extra_cnn})
+'''
+
 
 def torchrun(project: Path, ckpt_dir: Path, model: str, **launch: object):
     """2 ranks, 6 steps on 256 fake samples, a checkpoint every 3 steps, no evaluation."""
@@ -130,3 +155,24 @@ def test_one_rank_whose_model_differs_from_all_the_others_is_a_fault_of_its_mach
     assert not requeue.exists() or not requeue.read_text(), requeue.read_text()
     assert "a bug, not a fault" not in result.stderr
     assert not list((tmp_path / "ckpt").glob("step-*.pt")), "no checkpoint of one rank's model is written"
+
+
+def test_parameters_a_step_leaves_unused_are_named_and_find_unused_parameters_trains_one_model(default_project,
+                                                                                              tmp_path):
+    project = with_task_code(default_project, tmp_path / "without", UNUSED_AT_STEP_1)
+    result = torchrun(project, tmp_path / "ckpt", "sometimes_extra_cnn")
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        "error: the ranks hold different models after step 1: step 1 left 2 trained parameter(s) without a "
+        "gradient ('extra.bias', 'extra.weight'), so DDP did not all-reduce their gradient buckets; if a step may "
+        "leave parameters unused (a mixture of experts, a conditional branch), give task.py's Task "
+        "find_unused_parameters=True, else use them in the loss or freeze them"], result.stderr[-4000:]
+    # The fix the line names, in task.py: one model on every rank, checked at step 1 and at both saves.
+    project = with_task_code(default_project, tmp_path / "with", UNUSED_AT_STEP_1 +
+                             "\nTASK = dataclasses.replace(TASK, find_unused_parameters=True)\n")
+    result = torchrun(project, tmp_path / "ckpt-with", "sometimes_extra_cnn")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "step 1: every rank holds the same parameters" in result.stderr
+    weights = checkpoint(tmp_path / "ckpt-with", 6)["model"]
+    assert not torch.equal(weights["extra.weight"], checkpoint(tmp_path / "ckpt-with", 3)["model"]["extra.weight"])

@@ -117,7 +117,8 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     # Forward and backward through `networks.model` (DDP or FSDP2, maybe compiled); save and evaluate `model`.
     # A task with its own training_step gets the model's top-level networks wrapped one by one instead.
     networks = wrap_networks(model, device, options.strategy, options.compile, amp.param_dtype,
-                             options.activation_checkpointing, one_by_one=task.training_step is not None)
+                             options.activation_checkpointing, one_by_one=task.training_step is not None,
+                             find_unused_parameters=task.find_unused_parameters)
     optimizers = task.build_optimizer(model, options)  # after wrapping: FSDP2 swaps in sharded parameters
     nonfinite = NonFiniteGuard(options.skip_nonfinite, amp, device)  # a NaN loss stops the job (or is skipped)
 
@@ -217,8 +218,8 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
             if task.rank_0_work and progress.step % task.rank_0_work[0] == 0:  # samples, a figure, every N steps
                 with watchdog.slow_phase("the task's work on rank 0"):
                     task.work_alone(step, env, device)
-            if progress.step == first_step and check_replicas_match(model, progress.step):  # again at each save
-                log.info("step %d: every rank holds the same parameters", progress.step)
+            if progress.step == first_step and check_replicas_match(model, progress.step, step.without_gradient):
+                log.info("step %d: every rank holds the same parameters", progress.step)  # again at each save
             stop_requested = stop.agreed(watchdog.sigterm_received)  # SIGTERM reached some rank: same step on all
             if stop_requested or progress.finished(options.epochs, options.max_steps, max_samples):
                 break  # saved below

@@ -70,6 +70,14 @@ class NonFiniteGuard:
             f"with --skip-nonfinite {self.allowed + 1} to skip such steps")
 
 
+def parameters_without_gradient(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> list[str]:
+    """The names of the parameters these optimizers train that hold no gradient now."""
+    trained = {id(parameter) for optimizer in optimizers for group in optimizer.param_groups
+               for parameter in group["params"]}
+    return [name for name, parameter in model.named_parameters()
+            if id(parameter) in trained and parameter.requires_grad and parameter.grad is None]
+
+
 class Step:
     """The optimizer step being taken, as the task sees it: compute_loss(model, batch, step) and a task's own
     training_step(step, batches) are given this one object.
@@ -117,6 +125,9 @@ class Step:
         self.number = 0
         self.grad_norms: list[torch.Tensor] = []
         self.stepped: set[str] = set()  # this step's
+        self.first_number: int | None = None  # this run's first step
+        self.without_gradient: list[str] = []  # trained parameters its updates found with no gradient (DDP's
+        # unused parameters), named by the replica check if the ranks' models then differ
 
     def backward(self, loss_of: Callable[[SimpleNamespace, Any], torch.Tensor], batches: list) -> torch.Tensor:
         total = 0.0
@@ -143,6 +154,8 @@ class Step:
         # None named: every optimizer as one, clipped by one norm over all parameters (torch's usual clipping).
         stepping = [self.optimizers[name] for name in names] if names else [self.optimizer]
         self.stepped.update(names or self.optimizers)
+        if self.number == self.first_number:
+            self.without_gradient += parameters_without_gradient(self.model, stepping)
         for optimizer in stepping:
             self.grad_norms.append(self.optimizer_step(optimizer, self.number))
         for network in vars(self.networks).values():
@@ -154,6 +167,7 @@ class Step:
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step: (the loss training_step returned, the norm of all gradients it clipped)."""
         self.number, self.grad_norms, self.stepped = number, [], set()
+        self.first_number = self.first_number or number
         loss = training_step(self, batches)
         if not isinstance(loss, torch.Tensor):
             raise UsageError(f"task.training_step returned {type(loss).__name__}; return the loss to log, a tensor")

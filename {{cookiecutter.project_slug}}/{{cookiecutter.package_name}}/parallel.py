@@ -20,12 +20,14 @@ log = logging.getLogger(__name__)
 
 
 def wrap_model(model: torch.nn.Module, device: torch.device, strategy: str = "ddp", compile_model: bool = False,
-               param_dtype: torch.dtype | None = None, activation_checkpointing: str = "none") -> torch.nn.Module:
+               param_dtype: torch.dtype | None = None, activation_checkpointing: str = "none",
+               find_unused_parameters: bool = False) -> torch.nn.Module:
     """The module to run forward and backward through, compiled when asked, its blocks' activations recomputed
     in the backward pass when asked (--activation-checkpointing: checkpoint_activations).
 
     ddp: DDP replicas over the already-placed model (none for a single rank); save, load and evaluate the
-    unwrapped `model`.
+    unwrapped `model`. find_unused_parameters: a step may leave some parameters without a gradient (a mixture of
+    experts, a conditional branch); DDP then looks for them after every forward (Task.find_unused_parameters).
     fsdp2: `model` itself, its parameters sharded in place (each rank holds 1/world_size of them).
     One plain process: the model itself.
     """
@@ -37,11 +39,12 @@ def wrap_model(model: torch.nn.Module, device: torch.device, strategy: str = "dd
             model, device_ids=[device.index] if device.type == "cuda" else None,
             # Gradients are views into the all-reduce buckets: no copy in or out of them, less memory.
             gradient_as_bucket_view=True,
+            find_unused_parameters=find_unused_parameters,
             # static_graph stays off: with it, a model whose forward returns an object DDP cannot look into (a
             # plain dataclass, not a registered pytree node) has its gradients never all-reduced, without an
             # error, and each rank trains a model of its own (pytorch/pytorch#106690). check_replicas_match
             # would stop such a job, but what static_graph saves is small (DDP's per-step search for unused
-            # parameters does not run anyway with find_unused_parameters=False).
+            # parameters runs only with find_unused_parameters=True).
         )
     if compile_model:
         # Compiling the DDP module lets dynamo split graphs at bucket boundaries, keeping the all-reduce
@@ -52,7 +55,7 @@ def wrap_model(model: torch.nn.Module, device: torch.device, strategy: str = "dd
 
 def wrap_networks(model: nn.Module, device: torch.device, strategy: str = "ddp", compile_model: bool = False,
                   param_dtype: torch.dtype | None = None, activation_checkpointing: str = "none",
-                  one_by_one: bool = False) -> SimpleNamespace:
+                  one_by_one: bool = False, find_unused_parameters: bool = False) -> SimpleNamespace:
     """What training runs forward and backward through, by name: the whole model wrapped (networks.model), or
     with one_by_one (a task with its own training_step) each top-level module of `model` that has trained
     parameters wrapped on its own, the others as they are (networks.generator). Networks stepped in turn each run
@@ -60,16 +63,17 @@ def wrap_networks(model: nn.Module, device: torch.device, strategy: str = "ddp",
     the backward (wrapping the whole model, the network left out of a forward would stop the next step: DDP's
     unused-parameters error). The model itself still holds the unwrapped networks: checkpoints and evaluation see it
     unchanged."""
+    wrap = functools.partial(wrap_model, device=device, strategy=strategy, compile_model=compile_model,
+                             param_dtype=param_dtype, activation_checkpointing=activation_checkpointing,
+                             find_unused_parameters=find_unused_parameters)
     if not one_by_one:
-        return SimpleNamespace(model=wrap_model(model, device, strategy, compile_model, param_dtype,
-                                                activation_checkpointing))
+        return SimpleNamespace(model=wrap(model))
     own = [name for name, parameter in model.named_parameters(recurse=False) if parameter.requires_grad]
     if own:
         raise UsageError(f"Task(training_step=...) trains the model's top-level modules, each wrapped on its own, "
                          f"but parameter {own[0]!r} belongs to the model itself; put it in one of its modules")
     return SimpleNamespace(**{
-        name: wrap_model(network, device, strategy, compile_model, param_dtype, activation_checkpointing)
-        if any(parameter.requires_grad for parameter in network.parameters()) else network
+        name: wrap(network) if any(parameter.requires_grad for parameter in network.parameters()) else network
         for name, network in model.named_children()})
 
 

@@ -102,6 +102,10 @@ class Task:
     # watchdog allows --io-timeout. Its random draws come from `generator` (seeded from --seed and the step), and
     # torch's own generators are put back as they were after it: nothing it draws changes the training run.
     rank_0_work: tuple[int, Callable[[Any, torch.Generator], None]] | None = None
+    # A step may leave some trained parameters without a gradient (a mixture of experts whose router sends no
+    # token to an expert, a branch taken on some steps): DDP then looks for them after every forward, a little
+    # slower (find_unused_parameters). Without it such a step stops the job at the replica check, naming them.
+    find_unused_parameters: bool = False
     # What tests/ ask of the tiny run: (steps, ratio): after this many steps the mean loss of the last five is
     # below ratio x that of the first five. None: the loss need not fall (an adversarial pair's need not).
     smoke_test_learning: tuple[int, float] | None = (30, 0.7)

@@ -41,7 +41,7 @@ class ReplicaCorrupted(RuntimeError):
     and drain that node."""
 
 
-def check_replicas_match(model: nn.Module, step: int) -> int:
+def check_replicas_match(model: nn.Module, step: int, without_gradient: list[str] = ()) -> int:
     """Stop the job unless every rank holds the same parameters (a collective: one small all-reduce); returns
     how many parameters were compared (0: nothing to compare).
 
@@ -50,7 +50,8 @@ def check_replicas_match(model: nn.Module, step: int) -> int:
     flipped bit counts); one all-reduce of (sums, -sums) with MAX gives every rank each sum's largest and
     smallest value. `model` is the unwrapped model. FSDP2 shards differ by design: nothing to compare.
     Only when they differ are the ranks' fingerprints and hosts gathered, to say which ranks hold which model:
-    one rank against all the others (three or more ranks) is ReplicaCorrupted, any other split a bug (UsageError)."""
+    one rank against all the others (three or more ranks) is ReplicaCorrupted, any other split a bug (UsageError).
+    `without_gradient`: this rank's trained parameters that the step left with no gradient, named as the cause."""
     if not dist.is_initialized() or dist.get_world_size() == 1 or any(map(is_sharded, model.modules())):
         return 0
     names, parameters = zip(*model.named_parameters(), strict=True)
@@ -60,8 +61,16 @@ def check_replicas_match(model: nn.Module, step: int) -> int:
     if not differing:
         return len(names)
     ranks_by_model: dict[tuple[int, ...], list[int]] = {}
-    places = all_gather_objects((tuple(sums.tolist()), socket.gethostname()))
-    for rank, (fingerprint, _) in enumerate(places):
+    places = all_gather_objects((tuple(sums.tolist()), socket.gethostname(), list(without_gradient)))
+    unused = sorted({name for _, _, names in places for name in names})
+    if unused:  # a bucket with a parameter that got no gradient is never all-reduced (every rank keeps its own)
+        raise UsageError(
+            f"the ranks hold different models after step {step}: step {step} left {len(unused)} trained "
+            f"parameter(s) without a gradient ({', '.join(map(repr, unused[:3]))}"
+            f"{f' and {len(unused) - 3} more' if len(unused) > 3 else ''}), so DDP did not all-reduce their "
+            "gradient buckets; if a step may leave parameters unused (a mixture of experts, a conditional branch), "
+            "give task.py's Task find_unused_parameters=True, else use them in the loss or freeze them")
+    for rank, (fingerprint, *_) in enumerate(places):
         ranks_by_model.setdefault(fingerprint, []).append(rank)
     groups = sorted(ranks_by_model.values(), key=len, reverse=True)
     which = (f"parameter {names[differing[0]]!r} differs (and {len(differing) - 1} more of {len(names)}); "
