@@ -6,11 +6,13 @@ with a collective inside, do not hang."""
 
 from __future__ import annotations
 
+import math
 import random
 import re
 import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from helpers import (
@@ -410,3 +412,89 @@ def test_networks_stepped_in_turn_and_a_frozen_teacher_need_task_py_alone(bake, 
             in output
         assert all(key.startswith("student.") for key in uninterrupted["model"]), list(uninterrupted["model"])
         assert len(uninterrupted["optimizer"]["state"]) == len(uninterrupted["model"])
+
+
+@pytest.mark.slow
+def test_a_contrastive_loss_logs_its_temperature_keeps_its_clamp_and_says_what_its_batch_becomes(bake, tmp_path):
+    """examples/contrastive: an in-batch loss over every rank's features (gathered with their gradients), a learned
+    temperature logged beside the loss (step.log) and clamped after each step (after_step), under DDP and FSDP2
+    (under DDP killed by kill -9 and resumed bitwise), and what --grad-accum and a resize do to the batch it
+    contrasts, said."""
+    project = bake(project_name="Contrastive")
+    apply_example(project, "contrastive")
+    task = project / "contrastive" / "task.py"  # started above the clamp's bound: after_step brings it down
+    task.write_text(task.read_text().replace("math.log(1 / 0.07)))", "math.log(100) + 1))"))
+    args = [*smoke_test_args(project), *flags(grad_accum=2, max_steps=24, ckpt_every=8, log_every=4)]
+
+    ddp = run_job(project, [*args, *flags(ckpt_dir=tmp_path / "ddp", log_dir=tmp_path / "logs")])
+    assert ddp.returncode == 0, ddp.stderr[-4000:]
+    assert ("the loss couples the samples of a batch (Task.loss_couples='global_batch'): a step of --grad-accum 2 is "
+            "2 batches of 32 samples each coupled alone, not one of 64") in ddp.stderr, ddp.stderr[-4000:]
+    assert ("logged beside the loss, each a mean over ranks and the steps since the previous line: temperature"
+            in ddp.stderr)
+    assert re.search(r"step 24 \| epoch \d+ \| loss [\d.]+ \| temperature 0\.01\d* \| grad norm", ddp.stderr)
+    rows = [row for row in metric_rows(tmp_path / "logs") if row["kind"] == "train"]
+    assert [row["step"] for row in rows] == [4, 8, 12, 16, 20, 24]
+    assert rows[0]["temperature"] < 0.009 and all(row["temperature"] > 0.01 - 1e-7 for row in rows[1:]), rows
+
+    import torch
+
+    bound = torch.tensor(math.log(100)).item()  # as a float32
+    assert all(checkpoint(tmp_path / "ddp", step)["model"]["logit_scale"].item() <= bound for step in (16, 24))
+    final = checkpoint(tmp_path / "ddp", 24)
+    killed = start_job(project, [*args, *flags(ckpt_dir=tmp_path / "killed")], max_restarts=1)
+    kill_a_worker_and_finish(killed, tmp_path / "killed" / "step-8.pt")
+    resumed = checkpoint(tmp_path / "killed", 24)
+    for state in (resumed, final):
+        state["options"].pop("ckpt_dir"), state["options"].pop("log_dir")
+    assert_same(resumed, final)
+    # FSDP2: the gathered features, the temperature (a 1-element parameter, sharded) and its clamp as under DDP,
+    # up to the order of additions (its gradient norm for --clip-grad is summed shard by shard).
+    fsdp2 = run_job(project, [*args, *flags(ckpt_dir=tmp_path / "fsdp2", strategy="fsdp2")])
+    assert fsdp2.returncode == 0, fsdp2.stderr[-4000:]
+    sharded = checkpoint_state(tmp_path / "fsdp2", 24, tmp_path)["model"]
+    assert sharded["logit_scale"].item() <= bound
+    for name, tensor in final["model"].items():
+        assert (sharded[name] - tensor).abs().max() < 1e-5, name
+
+    # One rank resumes the 2-rank job from step 16: its loss now contrasts 16 samples, not 32. Refused where the
+    # task keeps its coupled batch, naming the --batch-size that keeps it; else said, and trained.
+    (tmp_path / "ddp" / "step-24.pt").unlink()
+    keeping = with_task_code(project, tmp_path / "keeping", "\nimport dataclasses\n\n"
+                             "TASK = dataclasses.replace(TASK, keep_coupled_batch=True)\n")
+    line = ("the loss couples the samples of every rank (Task.loss_couples='global_batch'): 32 samples before (2 "
+            "ranks), 16 now (1 x --batch-size 16), which changes the loss; --batch-size 32 keeps it")
+    refused = run([sys.executable, "train.py", *args, *flags(ckpt_dir=tmp_path / "ddp")], cwd=keeping)
+    assert refused.returncode == 1, refused.stderr[-3000:]
+    assert refused.stderr.splitlines()[-1] == f"error: {line} (Task.keep_coupled_batch)", refused.stderr[-3000:]
+    resize = run([sys.executable, "train.py", *args, *flags(ckpt_dir=tmp_path / "ddp")], cwd=project)
+    assert resize.returncode == 0 and line in resize.stderr, resize.stderr[-4000:]
+
+
+def test_what_a_coupled_batch_becomes_is_said_and_step_log_takes_one_number_per_name(baked_module, caplog):
+    import torch
+    from torch import nn
+
+    optim, errors = baked_module("optim"), baked_module("engine.errors")
+    options = SimpleNamespace(batch_size=16, grad_accum=4)
+    with caplog.at_level("INFO"):  # BatchNorm is found: each micro-batch is normalised alone
+        optim.check_coupled_batch(None, False, nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)), options, 2, None)
+    assert ("the loss couples the samples of a batch (BatchNorm): a step of --grad-accum 4 is 4 batches of 16 samples "
+            "each coupled alone, not one of 64") in caplog.text
+    synced = nn.Sequential(nn.Conv2d(3, 4, 1), nn.SyncBatchNorm(4))  # every rank's batch together; 2 -> 3 ranks
+    optim.check_coupled_batch(None, False, synced, options, 3, (2, {"batch_size": 16}))
+    assert ("the loss couples the samples of every rank (SyncBatchNorm): 32 samples before (2 ranks), 48 now (3 x "
+            "--batch-size 16), which changes the loss; no --batch-size keeps it on 3 ranks") in caplog.text
+    with pytest.raises(errors.UsageError, match=r"--batch-size 8 keeps it \(Task.keep_coupled_batch\)$"):
+        optim.check_coupled_batch("global_batch", True, nn.Linear(1, 1), options, 4, (2, {"batch_size": 16}))
+
+    model = nn.Linear(2, 1)
+    step = optim.Step(SimpleNamespace(model=model), model, torch.optim.SGD(model.parameters()), None, options, None,
+                      None)
+    step.log(temperature=torch.tensor([0.5]), aux=1.0)
+    step.log(temperature=0.25, aux=torch.tensor(3.0))  # a second micro-batch: each name's mean
+    assert {name: value.item() for name, value in step.logged_means().items()} == {"temperature": 0.375, "aux": 2.0}
+    with pytest.raises(errors.UsageError, match="'lr' is a column the loop logs itself"):
+        step.log(lr=0.1)
+    with pytest.raises(errors.UsageError, match=r"logs one number, got a tensor of shape \[2\]"):
+        step.log(features=torch.zeros(2))

@@ -398,8 +398,75 @@ LOSS_WEIGHT = {
     ],
 }
 
+CONTRASTIVE = {"PACKAGE/task.py": [
+    ("import functools\nimport io\n", "import functools\nimport io\nimport math\n"),
+    ("import torch\nimport torch.nn.functional as F\n", "import torch\nimport torch.distributed as dist\nimport torch.nn.functional as F\n"),
+    (BEFORE_SMALL_CNN, '''class Contrastive(nn.Module):
+    """An encoder trained to match each image's two views against every other image of the global batch (SimCLR's
+    loss, CLIP's learned temperature). Its outputs are still the class scores that evaluation reads."""
+
+    def __init__(self, encoder: nn.Module):
+        super().__init__()
+        self.encoder = encoder
+        self.logit_scale = nn.Parameter(torch.full((1,), math.log(1 / 0.07)))  # 1-d: FSDP2 shards no 0-d parameter
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.encoder(images), self.logit_scale.exp()
+
+
+def contrastive(options: TrainOptions, train_set: Dataset) -> nn.Module:
+    return Contrastive(small_cnn(options, train_set))
+
+
+class GatherWithGradient(torch.autograd.Function):
+    """Every rank's rows, in rank order; the backward pass gives each rank the gradient of its own rows, summed
+    over every rank's loss (as torch.distributed.nn's all_gather, deprecated in torch 2.14)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor) -> torch.Tensor:
+        gathered = [torch.empty_like(rows) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, rows.contiguous())
+        return torch.cat(gathered)
+
+    @staticmethod
+    def backward(ctx, gradient: torch.Tensor) -> torch.Tensor:
+        gradient = gradient.contiguous()
+        dist.all_reduce(gradient)
+        return gradient.chunk(dist.get_world_size())[dist.get_rank()]
+
+
+''' + BEFORE_SMALL_CNN),
+    ("    outputs = model(inputs).float()\n", "    outputs = model(inputs)\n"
+     "    outputs = (outputs[0] if isinstance(outputs, tuple) else outputs).float()  # contrastive: the features\n"),
+    ('''    return outputs_and_loss(model, batch)[1]
+''', '''    images, _ = batch  # the labels are not used: each image is its own class
+    views = torch.cat([images + 0.1 * torch.randn_like(images), images + 0.1 * torch.randn_like(images)])
+    features, scale = model(views)
+    first, second = F.normalize(features.float(), dim=1).chunk(2)
+    targets = torch.arange(len(first), device=first.device)
+    if dist.is_initialized():  # every rank's second views, with their gradients: the negatives of the global batch
+        targets += dist.get_rank() * len(first)
+        second = GatherWithGradient.apply(second)
+    step.log(temperature=1 / scale)  # beside the loss in the log, metrics.jsonl and the trackers
+    return F.cross_entropy(scale * first @ second.T, targets)
+
+
+def after_step(step: Step) -> None:
+    """After each optimizer step, as CLIP does: the temperature's scale stays at most 100."""
+    with torch.no_grad():
+        step.model.logit_scale.clamp_(max=math.log(100))
+'''),
+    ('    models={"small_cnn": small_cnn},\n', '    models={"small_cnn": small_cnn, "contrastive": contrastive},\n'),
+    ("    compute_loss=compute_loss,\n", "    compute_loss=compute_loss,\n"
+     "    after_step=after_step,\n"
+     '    loss_couples="global_batch",  # --grad-accum and resizes say what they do to the batch the loss contrasts\n'
+     "    smoke_test_learning=(30, 0.85),\n"),
+    (IMAGE_SMOKE_ARGS, IMAGE_SMOKE_ARGS.replace('"small_cnn"', '"contrastive"').replace(
+        '"0.005"]', '"0.005", "--clip-grad",\n                     "0.5"]')),
+]}
+
 RECIPES = {"regression": REGRESSION, "dict-batches": TAGGER, "whole-set-metric": AUC, "gan": ADVERSARIAL,
-           "distillation": TEACHER, "ema": EMA, "two-optimizers": TWO_OPTIMIZERS, "loss-weight": LOSS_WEIGHT}
+           "distillation": TEACHER, "ema": EMA, "two-optimizers": TWO_OPTIMIZERS, "loss-weight": LOSS_WEIGHT, "contrastive": CONTRASTIVE}
 
 
 def diff_of(project: Path, recipe: dict[str, list[tuple[str, str]]]) -> str:

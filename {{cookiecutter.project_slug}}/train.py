@@ -56,6 +56,7 @@ from {{ cookiecutter.package_name }}.optim import (
     MixedPrecision,
     NonFiniteGuard,
     Step,
+    check_coupled_batch,
     planned_steps,
     resolve_precision,
 )
@@ -162,6 +163,9 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
                                       lr_schedule=lr_schedule, grad_scaler=amp, selection=selection, **stream,
                                       **task_state)
     progress = checkpointer.resume(TrainingProgress)  # the newest checkpoint's, or a fresh one
+    # What --grad-accum and a resize do to a loss that couples a batch's samples (contrastive, BatchNorm).
+    check_coupled_batch(task.loss_couples, task.keep_coupled_batch, model, options, env.world_size,
+                        checkpointer.resumed_from)
     # A stream's run is a number of samples (--max-steps steps of its first world size), which a resize keeps.
     max_samples = lr_schedule.stream_samples  # None for a map-style set: --epochs, or --max-steps steps
 {%- if cookiecutter.use_profiling == "yes" %}
@@ -205,7 +209,8 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
             lr = lr_schedule.set_lr(progress.samples_seen + samples_per_step / 2)  # at the step's middle
             batches = OnDevice(step_batches, device, channels_last)
             loss, grad_norm = step.run(training_step, batches, number=progress.step + 1)
-            meter.update(loss, sum(task.units_in_batch(micro_batch) for micro_batch in step_batches))
+            meter.update(loss, sum(task.units_in_batch(micro_batch) for micro_batch in step_batches),
+                         step.logged_means())  # with what the task gave step.log(...)
             step_batches = []
             amp.scaler.update()  # once a step, after every optimizer stepped: the fp16 scale for the next
             task.after_step(step)  # the task's state after the update: an EMA, a momentum encoder

@@ -4,6 +4,7 @@ a progress bar, and written by rank 0 to metrics.jsonl and a tracker."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -15,8 +16,9 @@ from typing import Any
 
 import torch
 
-from .engine.collectives import all_reduce, world_size
+from .engine.collectives import all_gather_objects, all_reduce, world_size
 from .engine.distributed import DistEnv
+from .engine.errors import UsageError
 from .options import LoggingOptions, TrainOptions
 from .parallel import whole
 {%- if cookiecutter.use_trackers == "yes" %}
@@ -156,12 +158,14 @@ class TrainingMeter:
         self.log_every = log_every
         self.metrics_log = metrics_log
         self.progress_bar = progress_bar
+        self.task_names: list[str] = []  # the names of the task's step.log values, checked alike on every rank
         self.reset()
 
     def reset(self) -> None:
         self.loss_sum = torch.zeros((), device=self.device)
         self.grad_norm_sum = torch.zeros((), device=self.device)
         self.micro_batches = 0
+        self.task_sums: dict[str, tuple[torch.Tensor, int]] = {}  # step.log's values: (sum of step means, steps)
         self.steps = 0
         self.units = torch.zeros((), device=self.device, dtype=torch.float64)  # this rank's, since the last line
         self.data_wait = 0.0
@@ -182,13 +186,16 @@ class TrainingMeter:
             self.data_wait += time.perf_counter() - waiting_since
             yield batch
 
-    def update(self, loss: torch.Tensor, units: int | torch.Tensor) -> None:
-        """After every optimizer step: the loss its training_step returned (the mean over its micro-batches) and
-        how many units (samples, tokens) this rank trained on; a tensor count is added where it is (on the
-        device, or a host count as a number), so counting costs no host sync."""
+    def update(self, loss: torch.Tensor, units: int | torch.Tensor, task_values: dict[str, torch.Tensor]) -> None:
+        """After every optimizer step: the loss its training_step returned (the mean over its micro-batches), how
+        many units (samples, tokens) this rank trained on, and the step's step.log(...) values; a tensor count is
+        added where it is (on the device, or a host count as a number), so counting costs no host sync."""
         self.loss_sum += loss.detach()
         self.micro_batches += 1
         self.units += units
+        for name, value in task_values.items():
+            total, steps = self.task_sums.get(name, (0.0, 0))
+            self.task_sums[name] = (total + value, steps + 1)
 
     def end_step(self, progress: Any, lr: float, grad_norm: torch.Tensor) -> None:
         """After every optimizer step: where training stands now, the lr the step ran with, and the gradient
@@ -202,14 +209,33 @@ class TrainingMeter:
 
     def log_and_reset(self, progress: Any, lr: float) -> None:
         """Log the mean loss over ranks and micro-batches since the last line (a collective)."""
-        # Mean loss and total units over ranks, in one all-reduce.
-        loss_sum, units = all_reduce(torch.stack([(self.loss_sum / max(self.micro_batches, 1)).double(),
-                                                  self.units]), "sum").tolist()
+        names = sorted(self.task_sums)
+        # Every rank must log the same names, or the all-reduce below would add up different values: one small
+        # all-reduce compares a hash of them.
+        name_hash = int.from_bytes(hashlib.sha256("\0".join(names).encode()).digest()[:6], "big")
+        highest, minus_lowest = all_reduce(torch.tensor([name_hash, -name_hash], dtype=torch.float64,
+                                                        device=self.units.device), "max").tolist()
+        if highest != -minus_lowest:
+            theirs = sorted({tuple(ranks_names) for ranks_names in all_gather_objects(names)})
+            raise UsageError(f"step.log(...) was given other names on other ranks in the steps up to {progress.step} "
+                             f"({' vs '.join(map(str, map(list, theirs[:3])))}); log the same names on every rank "
+                             "(a value of 0 where there is none)")
+        if names != self.task_names:
+            if names:
+                log.info("logged beside the loss, each a mean over ranks and the steps since the previous line: %s",
+                         ", ".join(names))
+            self.task_names = names
+        task_means = [(self.task_sums[name][0] / self.task_sums[name][1]).double() for name in names]
+        # Mean loss, total units and the means of the task's values over ranks, in one all-reduce.
+        loss_sum, units, *task_values = all_reduce(torch.stack([
+            (self.loss_sum / max(self.micro_batches, 1)).double(), self.units,
+            *[value.to(self.units.device) for value in task_means]]), "sum").tolist()
         loss = loss_sum / world_size()
+        task_row = {name: value / world_size() for name, value in zip(names, task_values, strict=True)}
         elapsed = time.perf_counter() - self.started - self.paused
         rate = units / elapsed
         step, epoch = progress.step, progress.epoch
-        row = {"loss": loss, "grad_norm": self.grad_norm_sum.item() / max(self.steps, 1), "lr": lr,
+        row = {"loss": loss, **task_row, "grad_norm": self.grad_norm_sum.item() / max(self.steps, 1), "lr": lr,
                "samples_seen": progress.samples_seen,
                f"{self.unit}_per_sec": rate, "step_time_s": elapsed / max(self.steps, 1),
                "data_wait_frac": self.data_wait / elapsed}
@@ -222,9 +248,10 @@ class TrainingMeter:
         if self.progress_bar.bar is not None:
             self.progress_bar.show(f"loss {loss:.4f}, {rate:.1f} {self.unit}/s")
         else:
-            log.info("step %d | epoch %d | loss %.4f | grad norm %.3f | lr %.2e | %d samples seen | %.1f %s/s | "
-                     "%.3f s/step | data wait %.0f%%%s", step, epoch, loss, row["grad_norm"], lr, progress.samples_seen,
-                     rate, self.unit, row["step_time_s"], 100 * row["data_wait_frac"], extra)
+            task_text = "".join(f" | {name} {value:.4g}" for name, value in task_row.items())
+            log.info("step %d | epoch %d | loss %.4f%s | grad norm %.3f | lr %.2e | %d samples seen | %.1f %s/s | "
+                     "%.3f s/step | data wait %.0f%%%s", step, epoch, loss, task_text, row["grad_norm"], lr,
+                     progress.samples_seen, rate, self.unit, row["step_time_s"], 100 * row["data_wait_frac"], extra)
         if self.metrics_log is not None:
             self.metrics_log.write("train", step, row)
         self.reset()

@@ -70,6 +70,11 @@ class NonFiniteGuard:
             f"with --skip-nonfinite {self.allowed + 1} to skip such steps")
 
 
+# The loop's own columns of a training row (metrics.py), which step.log cannot take.
+RESERVED_LOG_NAMES = {"kind", "step", "restart", "loss", "grad_norm", "lr", "samples_seen", "step_time_s",
+                      "data_wait_frac", "max_memory_gib", "mfu"}
+
+
 def parameters_without_gradient(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> list[str]:
     """The names of the parameters these optimizers train that hold no gradient now."""
     trained = {id(parameter) for optimizer in optimizers for group in optimizer.param_groups
@@ -85,7 +90,8 @@ class Step:
     number: the step's number (1 for the first); options: the run's (the task's own as options.task); model: the
     plain model, for its attributes (the `model` compute_loss runs is wrapped: DDP, FSDP2, torch.compile);
     networks: what is wrapped, by name (`networks.model`, or with a training_step each top-level module of the
-    model); optimizers: task.build_optimizer's, by name ("optimizer" for one). Two calls do the step's work:
+    model); optimizers: task.build_optimizer's, by name ("optimizer" for one); log(name=value): a value logged
+    beside the loss (below). Two calls do the step's work:
 
         def training_step(step, batches):   # a GAN: two networks stepped in turn, each on its own loss
             critic = step.backward(critic_loss, batches)  # critic_loss(step.networks, batch), each micro-batch
@@ -125,6 +131,7 @@ class Step:
         self.number = 0
         self.grad_norms: list[torch.Tensor] = []
         self.stepped: set[str] = set()  # this step's
+        self.logged: dict[str, tuple[torch.Tensor, int]] = {}  # this step's log(...) values: (sum, calls)
         self.first_number: int | None = None  # this run's first step
         self.without_gradient: list[str] = []  # trained parameters its updates found with no gradient (DDP's
         # unused parameters), named by the replica check if the ranks' models then differ
@@ -141,6 +148,25 @@ class Step:
             self.nonfinite.watch(loss)
             total = total + loss.detach()
         return total / len(batches)
+
+    def log(self, **values: float | torch.Tensor) -> None:
+        """Values to log beside the loss (a learned temperature, an auxiliary loss, the terms of a sum): in the log
+        line, metrics.jsonl, TensorBoard and a tracker, each the mean over this step's calls (compute_loss calls it
+        once per micro-batch), then over ranks and the --log-every steps, as the loss is. Every rank logs the same
+        names; the loss logged is what compute_loss returned, these terms in it only if the task added them."""
+        for name, value in values.items():
+            if name in RESERVED_LOG_NAMES or name.endswith("_per_sec"):
+                raise UsageError(f"step.log({name}=...): {name!r} is a column the loop logs itself; name it otherwise")
+            value = torch.as_tensor(value).detach().float()
+            if value.numel() != 1:
+                raise UsageError(f"step.log({name}=...) logs one number, got a tensor of shape {list(value.shape)}; "
+                                 "log its mean, or each part under a name of its own")
+            total, calls = self.logged.get(name, (0.0, 0))
+            self.logged[name] = (total + value.reshape(()), calls + 1)
+
+    def logged_means(self) -> dict[str, torch.Tensor]:
+        """This step's log(...) values, each the mean of its calls."""
+        return {name: total / calls for name, (total, calls) in self.logged.items()}
 
     def update(self, *names: str) -> None:
         unknown = [name for name in names if name not in self.optimizers]
@@ -166,7 +192,7 @@ class Step:
     def run(self, training_step: Callable[[Step, list], torch.Tensor], batches: list, number: int
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step: (the loss training_step returned, the norm of all gradients it clipped)."""
-        self.number, self.grad_norms, self.stepped = number, [], set()
+        self.number, self.grad_norms, self.stepped, self.logged = number, [], set(), {}
         self.first_number = self.first_number or number
         loss = training_step(self, batches)
         if not isinstance(loss, torch.Tensor):
@@ -278,6 +304,39 @@ def warmup_then_decay(samples_seen: float, warmup_samples: int, total_samples: i
         return 1.0
     progress = min((samples_seen - warmup_samples) / max(total_samples - warmup_samples, 1), 1.0)
     return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def check_coupled_batch(couples: str | None, keep: bool, model: torch.nn.Module, options: TrainOptions,
+                        world_size: int, resumed_from: tuple[int, dict] | None) -> None:
+    """Say what --grad-accum and a resize do to a loss that couples the samples of a batch (Task.loss_couples,
+    or BatchNorm's statistics): a step of N micro-batches is N batches coupled apart, not one N times larger; and
+    a resize changes a batch coupled across ranks. With `keep`, such a resize stops instead, naming the
+    --batch-size that keeps it. `resumed_from`: (world size, options) of the checkpoint resumed, if any."""
+    norms = [module for module in model.modules() if isinstance(module, torch.nn.modules.batchnorm._BatchNorm)]
+    why = f"Task.loss_couples={couples!r}"
+    if couples is None and norms:
+        synced = isinstance(norms[0], torch.nn.SyncBatchNorm)
+        couples, why = ("global_batch", "SyncBatchNorm") if synced else ("micro_batch", "BatchNorm")
+    if couples is None:
+        return
+    coupled = options.batch_size * (world_size if couples == "global_batch" else 1)
+    if options.grad_accum > 1:
+        log.info("the loss couples the samples of a batch (%s): a step of --grad-accum %d is %d batches of %d "
+                 "samples each coupled alone, not one of %d", why, options.grad_accum, options.grad_accum, coupled,
+                 coupled * options.grad_accum)
+    if couples != "global_batch" or resumed_from is None or resumed_from[0] == world_size:
+        return
+    saved_world_size, saved_options = resumed_from
+    before = saved_options.get("batch_size", options.batch_size) * saved_world_size
+    if before == coupled:
+        return
+    keeping = (f"--batch-size {before // world_size} keeps it" if before % world_size == 0 else
+               f"no --batch-size keeps it on {world_size} ranks")
+    line = (f"the loss couples the samples of every rank ({why}): {before} samples before ({saved_world_size} ranks), "
+            f"{coupled} now ({world_size} x --batch-size {options.batch_size}), which changes the loss; {keeping}")
+    if keep:
+        raise UsageError(f"{line} (Task.keep_coupled_batch)")
+    log.warning("%s", line)
 
 
 def planned_steps(options: TrainOptions, steps_per_epoch: int | None, stream_steps: int | None = None) -> int:

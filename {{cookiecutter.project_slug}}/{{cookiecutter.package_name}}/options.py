@@ -111,8 +111,9 @@ class TrainOptions:
         "cosine", "after warmup: cosine decay to 0 at the end of --epochs, or constant")
     warmup_steps: int | None = option(None, "optimizer steps of linear warmup (default: 5%% of --epochs)")
     grad_accum: int = option(
-        1, "micro-batches per optimizer step; gradients are all-reduced once per step, "
-        "so the global batch is --batch-size x world size x this")
+        1, "micro-batches per optimizer step; gradients are all-reduced once per step, so a step trains on "
+        "--batch-size x world size x this samples: the update of one such batch only where samples are "
+        "independent (not with BatchNorm or an in-batch contrastive loss: Task.loss_couples)")
     clip_grad: float | None = option(None, "clip the gradient norm to this before each step (default: no clipping)")
     skip_nonfinite: int = option(
         0, "optimizer steps whose loss or gradient norm is not finite (NaN, inf) on any rank to skip, in this run, "

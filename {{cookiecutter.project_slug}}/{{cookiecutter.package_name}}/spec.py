@@ -106,6 +106,12 @@ class Task:
     # token to an expert, a branch taken on some steps): DDP then looks for them after every forward, a little
     # slower (find_unused_parameters). Without it such a step stops the job at the replica check, naming them.
     find_unused_parameters: bool = False
+    # Whether the loss couples the samples of a batch (an in-batch contrastive loss, BatchNorm, which is found
+    # without it): "micro_batch", each rank's micro-batch alone; "global_batch", every rank's through an
+    # all_gather. Then --grad-accum is no larger batch, and a resize that changes the coupled batch says so;
+    # with keep_coupled_batch it stops instead, naming the --batch-size that keeps it.
+    loss_couples: str | None = None
+    keep_coupled_batch: bool = False
     # What tests/ ask of the tiny run: (steps, ratio): after this many steps the mean loss of the last five is
     # below ratio x that of the first five. None: the loss need not fall (an adversarial pair's need not).
     smoke_test_learning: tuple[int, float] | None = (30, 0.7)
@@ -122,6 +128,8 @@ class Task:
         if self.prepare_data and "data_dir" not in {f.name for f in dataclasses.fields(self.options)}:
             raise TypeError(f"Task(prepare_data=...) downloads into options.task.data_dir: give "
                             f"{self.options.__name__} a data_dir field")
+        if self.loss_couples not in (None, "micro_batch", "global_batch"):
+            raise TypeError(f"Task(loss_couples={self.loss_couples!r}): None, 'micro_batch' or 'global_batch'")
         if self.evaluate_with is not None and self.state is None:
             raise TypeError(f"Task(evaluate_with={self.evaluate_with!r}) names an entry of Task(state=...), which "
                             "is not given")

@@ -254,6 +254,7 @@ class Checkpointer:
         self.options = options
         self.recorded = recorded  # the run's options, recorded in every checkpoint and compared on resume
         self.changed_options: list[str] = []  # by the resume: --lr 0.01 -> 0.02, ...
+        self.resumed_from: tuple[int, dict] | None = None  # the checkpoint's world size and options, on resume
         self.ckpt_dir = Path(options.ckpt_dir)
         self.keep = options.keep_checkpoints
         self.env = env
@@ -367,6 +368,7 @@ class Checkpointer:
         log.info("resuming from %s (step %d, epoch %d, %d samples into the epoch, %d in all, saved by %d ranks)",
                  source, progress.step, progress.epoch, progress.samples_in_epoch, progress.samples_seen,
                  saved["world_size"])
+        self.resumed_from = (saved["world_size"], saved_options or {})
         if saved["world_size"] != self.env.world_size:
             log.info("%d ranks instead of %d: a step is now another number of samples; the lr schedule follows "
                      "samples seen and continues unchanged, %s", self.env.world_size, saved["world_size"],
