@@ -15,7 +15,7 @@ OPTIONAL_FILES = {"slurm/train.sbatch": "use_slurm", "k8s/pytorchjob.yaml": "use
                   "PACKAGE/export.py": "use_export", "docs/export.md": "use_export", "PACKAGE/trackers.py": "use_trackers"}
 # Examples whose diffs edit the image task's task.py, kept only in its bakes.
 IMAGE_TASK_EXAMPLES = ["regression", "dict-batches", "whole-set-metric", "gan", "distillation", "two-optimizers",
-                       "ema", "contrastive"]
+                       "ema", "contrastive", "mixture-of-experts"]
 
 
 def make_executable(path: Path) -> None:

@@ -34,7 +34,8 @@ DEFAULT_FILES = {
     *(f"docs/{name}.md" for name in ("containers-and-schedulers", "experiments", "export", "failures", "monitoring",
                                      "performance", "several-machines", "streaming")),
     *(f"examples/{name}/{file}" for name in ("regression", "dict-batches", "whole-set-metric", "gan", "distillation",
-                                             "two-optimizers", "ema", "loss-weight", "contrastive")
+                                             "two-optimizers", "ema", "loss-weight", "contrastive",
+                                             "mixture-of-experts")
       for file in ("README.md", "change.diff")),
     "tests/harness.py", "tests/test_smoke.py",
     *(f"ddp_training/{name}.py" for name in

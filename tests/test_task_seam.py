@@ -498,3 +498,24 @@ def test_what_a_coupled_batch_becomes_is_said_and_step_log_takes_one_number_per_
         step.log(lr=0.1)
     with pytest.raises(errors.UsageError, match=r"logs one number, got a tensor of shape \[2\]"):
         step.log(features=torch.zeros(2))
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_trains_with_unused_experts_counts_their_shares_and_resumes_bitwise(bake, tmp_path):
+    """examples/mixture-of-experts: top-1 routing leaves experts without a gradient on some steps and ranks
+    (Task.find_unused_parameters); the held-out shares per expert are whole-set sums; a kill -9 resumes bitwise."""
+    project = bake(project_name="Mixture")
+    apply_example(project, "mixture-of-experts")
+    args = [*smoke_test_args(project), *flags(max_steps=24, ckpt_every=8)]
+    uninterrupted = run_job(project, [*args, *flags(ckpt_dir=tmp_path / "uninterrupted")])
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-4000:]
+    assert "step 1: every rank holds the same parameters" in uninterrupted.stderr
+    shares = re.findall(r"\| eval loss [\d.]+ \| accuracy [\d.]+ \| expert_0 ([\d.]+) \| expert_1 ([\d.]+) \| "
+                        r"expert_2 ([\d.]+) \| expert_3 ([\d.]+) on 128 held-out samples", uninterrupted.stderr)
+    assert shares and all(sum(map(float, row)) == pytest.approx(1, abs=2e-4) for row in shares), uninterrupted.stderr
+    killed = start_job(project, [*args, *flags(ckpt_dir=tmp_path / "killed")], max_restarts=1)
+    kill_a_worker_and_finish(killed, tmp_path / "killed" / "step-8.pt")
+    expected, resumed = checkpoint(tmp_path / "uninterrupted", 24), checkpoint(tmp_path / "killed", 24)
+    for state in (expected, resumed):
+        state["options"].pop("ckpt_dir")
+    assert_same(resumed, expected)

@@ -465,8 +465,62 @@ def after_step(step: Step) -> None:
         '"0.005"]', '"0.005", "--clip-grad",\n                     "0.5"]')),
 ]}
 
+MIXTURE = {"PACKAGE/task.py": [
+    (BEFORE_SMALL_CNN, '''class MixtureOfExperts(nn.Module):
+    """small_cnn's scores, refined by one of several experts per sample, chosen by a router (top-1, as the Switch
+    Transformer): an expert that no sample of a rank's batch is sent to gets no gradient that step."""
+
+    def __init__(self, features: nn.Module, width: int, experts: int = 4):
+        super().__init__()
+        self.features = features
+        self.router = nn.Linear(width, experts)
+        self.experts = nn.ModuleList(nn.Linear(width, width) for _ in range(experts))
+
+    def route(self, images: torch.Tensor) -> torch.Tensor:
+        """Each sample's expert."""
+        return self.router(self.features(images)).argmax(dim=1)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        features = self.features(images)
+        gates = self.router(features).softmax(dim=1)
+        chosen = gates.argmax(dim=1)
+        refined = torch.zeros_like(features)
+        for index, expert in enumerate(self.experts):
+            sent = chosen == index
+            refined[sent] = expert(features[sent]) * gates[sent, index, None]  # times its gate: the router learns
+        return features + refined
+
+
+def mixture(options: TrainOptions, train_set: Dataset) -> nn.Module:
+    return MixtureOfExperts(small_cnn(options, train_set), options.task.num_classes)
+
+
+''' + BEFORE_SMALL_CNN),
+    ('''    targets = batch[1]
+    return {"loss": loss * targets.numel(),
+            "correct": (outputs.argmax(dim=1) == targets).sum(),
+            "samples": torch.tensor(targets.numel())}
+''', '''    targets = batch[1]
+    sums = {"loss": loss * targets.numel(),
+            "correct": (outputs.argmax(dim=1) == targets).sum(),
+            "samples": torch.tensor(targets.numel())}
+    if isinstance(model, MixtureOfExperts):  # how many samples each expert got, over the whole held-out set
+        sums["per_expert"] = torch.bincount(model.route(batch[0]), minlength=len(model.experts))
+    return sums
+'''),
+    (IMAGE_SUMMARY, '''    count = sums["samples"]
+    shares = {f"expert_{index}": float(n) / count for index, n in enumerate(sums.get("per_expert", []))}
+    return {"loss": sums["loss"] / count, "accuracy": sums["correct"] / count, **shares, "samples": int(count)}
+'''),
+    ('    models={"small_cnn": small_cnn},\n', '    models={"small_cnn": small_cnn, "mixture": mixture},\n'),
+    ("    compute_loss=compute_loss,\n", "    compute_loss=compute_loss,\n"
+     "    find_unused_parameters=True,  # an expert that gets no sample has no gradient: DDP must look for it\n"),
+    (IMAGE_SMOKE_ARGS, IMAGE_SMOKE_ARGS.replace('"small_cnn"', '"mixture"')),
+]}
+
 RECIPES = {"regression": REGRESSION, "dict-batches": TAGGER, "whole-set-metric": AUC, "gan": ADVERSARIAL,
-           "distillation": TEACHER, "ema": EMA, "two-optimizers": TWO_OPTIMIZERS, "loss-weight": LOSS_WEIGHT, "contrastive": CONTRASTIVE}
+           "distillation": TEACHER, "ema": EMA, "two-optimizers": TWO_OPTIMIZERS, "loss-weight": LOSS_WEIGHT, "contrastive": CONTRASTIVE,
+           "mixture-of-experts": MIXTURE}
 
 
 def diff_of(project: Path, recipe: dict[str, list[tuple[str, str]]]) -> str:
