@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import struct
+import sys
 import time
 from pathlib import Path
 
@@ -230,3 +231,9 @@ def test_tied_weights_are_exported_as_copies_that_load_back_into_the_tie(baked_m
     copy[1].weight = copy[0].weight
     copy.load_state_dict(load_file(tmp_path / "tied.safetensors"))
     assert copy[1].weight is copy[0].weight and torch.equal(copy[0].weight, model[0].weight)
+    # Without safetensors installed (an environment made without the project's dependencies): one line.
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setitem(sys.modules, "safetensors.torch", None)  # `from safetensors.torch import ...` fails
+        with pytest.raises(SystemExit, match=r"^error: export writes model.safetensors with the safetensors package, "
+                                             r"which is not installed; pip install -e \."):
+            baked_module("export").main([str(tmp_path / "tied.safetensors"), str(tmp_path / "out.pt")])

@@ -47,7 +47,11 @@ def test_two_ranks_train_one_model(first_run):
     assert all(math.isfinite(loss) for loss in losses.values()), losses
     if TASK.smoke_test_learning:  # the loss falls as far as task.py says it should
         first, last = (sum(losses[step] for step in steps) / 5 for steps in (range(1, 6), range(STEPS - 4, STEPS + 1)))
-        assert last < TASK.smoke_test_learning[1] * first, losses
+        ratio = TASK.smoke_test_learning[1]
+        assert last < ratio * first, (
+            f"TASK.smoke_test_learning=({STEPS}, {ratio}) in task.py asks the mean loss of the last 5 of {STEPS} steps "
+            f"to be below {ratio} x that of the first 5: it went from {first:.4f} to {last:.4f}. Set it to what your "
+            f"task's loss does in TASK.smoke_test_args' run (None: no learning check); every loss: {losses}")
     middle, end = (saved_state(saved_checkpoint(ckpt_dir, step)) for step in (HALF, STEPS))
     if not saved_checkpoint(ckpt_dir, STEPS).is_dir():  # DDP: replicas compared bit for bit (FSDP2 shards differ)
         assert "every rank holds the same parameters" in output, output

@@ -117,7 +117,11 @@ def one_storage_each(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 def main(argv: list[str] | None = None) -> None:
-    from safetensors.torch import save_file
+    try:
+        from safetensors.torch import save_file
+    except ImportError:  # an environment made without this project's dependencies
+        sys.exit("error: export writes model.safetensors with the safetensors package, which is not installed; "
+                 "pip install -e . (this project depends on it) or pip install safetensors")
 
     parser = argparse.ArgumentParser(description="Write a checkpoint's model weights to a .pt file, and beside it "
                                      "the same tensors as .safetensors with a .json of the options that rebuild "
