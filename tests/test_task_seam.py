@@ -10,6 +10,7 @@ import math
 import random
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -412,6 +413,27 @@ def test_networks_stepped_in_turn_and_a_frozen_teacher_need_task_py_alone(bake, 
             in output
         assert all(key.startswith("student.") for key in uninterrupted["model"]), list(uninterrupted["model"])
         assert len(uninterrupted["optimizer"]["state"]) == len(uninterrupted["model"])
+        # In the teacher's place, a fingerprint of its weights: a teacher file replaced under the same path stops
+        # the resume with one line (one plain process each), or goes on with --resume-changed-state.
+        made = run([sys.executable, "-c", "import torch; from types import SimpleNamespace as N; "
+                    "from shape_distilled.task import small_cnn\nfor name in ('teacher.pt', 'other.pt'): "
+                    "torch.save(small_cnn(N(task=N(num_classes=10)), None).state_dict(), name)"], cwd=project)
+        assert made.returncode == 0, made.stderr
+
+        def resume(max_steps: int, *more: str) -> subprocess.CompletedProcess:
+            return run([sys.executable, "train.py", *smoke_test_args(project), "--teacher", "teacher.pt", *flags(
+                ckpt_dir=tmp_path / "teacher", max_steps=max_steps, ckpt_every=2), *more], cwd=project)
+        assert resume(2).returncode == 0
+        shutil.copy(project / "other.pt", project / "teacher.pt")
+        refused = resume(4)
+        line = ("the modules checkpoints leave out (teacher) hold other weights than the run that wrote this "
+                "checkpoint had: the model builder made them from other contents (a weights file changed under the "
+                "same path?)")
+        assert refused.returncode == 1 and refused.stderr.splitlines()[-1] == (
+            f"error: {line}; resume with the same files, or pass --resume-changed-state to go on with these"), \
+            refused.stderr[-3000:]
+        went_on = resume(4, "--resume-changed-state")
+        assert went_on.returncode == 0 and f"--resume-changed-state: {line}; going on with them" in went_on.stderr
 
 
 @pytest.mark.slow

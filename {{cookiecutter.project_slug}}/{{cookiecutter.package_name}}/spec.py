@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import difflib
 import functools
+import hashlib
 import inspect
 import logging
 import re
@@ -25,6 +26,7 @@ from .data import tensors_in
 from .engine.collectives import barrier, run_once_per_storage
 from .engine.distributed import DistEnv
 from .engine.errors import UsageError
+from .engine.replicas import bit_sum
 from .options import TrainOptions
 
 log = logging.getLogger(__name__)
@@ -167,6 +169,8 @@ class Task:
             if not (hasattr(value, "state_dict") and hasattr(value, "load_state_dict")):
                 raise UsageError(f"task.py: Task(state=...)[{name!r}] is a {type(value).__name__}, which a "
                                  "checkpoint cannot hold; give it state_dict() and load_state_dict()")
+        if getattr(model, "left_out_of_checkpoints", ()):  # saved in their place: a fingerprint of them
+            state[LeftOutWeights.NAME] = LeftOutWeights(model, options.checkpoint.resume_changed_state)
         if self.evaluate_with is not None and not hasattr(state.get(self.evaluate_with), "swapped_into"):
             raise UsageError(f"task.py: Task(evaluate_with={self.evaluate_with!r}) needs an entry of that name in "
                              "Task(state=...) with swapped_into(model)")
@@ -244,6 +248,39 @@ def leave_out_of_checkpoints(model: nn.Module, *names: str) -> nn.Module:
     getattr(model, "register_state_dict_post_hook", model._register_state_dict_hook)(drop)
     model.register_load_state_dict_post_hook(forgive)
     return model
+
+
+class LeftOutWeights:
+    """What checkpoints hold in place of the modules leave_out_of_checkpoints keeps out of them: a fingerprint of
+    their weights. A resume whose model builder made them from other contents (a teacher's weights file replaced
+    under the same path) stops with one line, or goes on with --resume-changed-state; it would otherwise train on
+    silently against other weights."""
+
+    NAME = "left_out_weights"  # its checkpoint entry
+
+    def __init__(self, model: nn.Module, go_on: bool):
+        self.names, self.go_on = model.left_out_of_checkpoints, go_on
+        tensors = [(f"{name}.{key}", tensor) for name in self.names
+                   for key, tensor in model.get_submodule(name).state_dict().items()]
+        # The whole tensor under FSDP2 (a collective), so that any world size gives the same fingerprint.
+        sums = torch.stack([bit_sum(tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).cpu()
+                            for _, tensor in tensors]).tolist() if tensors else []
+        described = [(key, list(tensor.shape), str(tensor.dtype), total)
+                     for (key, tensor), total in zip(tensors, sums, strict=True)]
+        self.fingerprint = hashlib.sha256(repr(described).encode()).hexdigest()[:16]
+
+    def state_dict(self) -> dict[str, str]:
+        return {"fingerprint": self.fingerprint}
+
+    def load_state_dict(self, state: dict[str, str]) -> None:
+        if state["fingerprint"] == self.fingerprint:
+            return
+        line = (f"the modules checkpoints leave out ({', '.join(self.names)}) hold other weights than the run that "
+                "wrote this checkpoint had: the model builder made them from other contents (a weights file changed "
+                "under the same path?)")
+        if not self.go_on:
+            raise UsageError(f"{line}; resume with the same files, or pass --resume-changed-state to go on with these")
+        log.warning("--resume-changed-state: %s; going on with them", line)
 
 
 def describe_parameters(model: nn.Module) -> str:
