@@ -74,7 +74,9 @@ class Task:
     # metrics over the whole held-out set (AUC, retrieval). None: summarize gets {}.
     evaluation_outputs: Callable[[nn.Module, Any], dict[str, torch.Tensor]] | None = None
     model_flops_per_unit: Callable[[nn.Module, TrainOptions], float | None] = lambda model, options: None
-    check_options: Callable[[TrainOptions], None] = lambda options: None  # refuse values before any process group
+    # Refuse values (raise UsageError) on every rank before any process group starts; the world size a check may
+    # need (a queue of keys that every rank's batch must divide) is int(os.environ.get("WORLD_SIZE", "1")).
+    check_options: Callable[[TrainOptions], None] = lambda options: None
     # --data name -> a download into options.task.data_dir, run before that dataset is built on one rank per
     # storage while the others wait: nodes sharing a network folder download once, nodes with local disks each
     # their own, and a failure stops every rank with its line.
