@@ -6,6 +6,7 @@ with a collective inside, do not hang."""
 
 from __future__ import annotations
 
+import importlib
 import math
 import random
 import re
@@ -330,6 +331,28 @@ def test_the_dict_batch_example_trains_resumes_and_counts_words(bake, tmp_path):
     evaluation = [row for row in rows if row["kind"] == "eval"][0]  # after epoch 0
     assert evaluation["accuracy"] > 0.6 and 500 < evaluation["tokens"] < 128 * 12, evaluation  # words, no padding
     assert all("tokens_per_sec" in row for row in rows if row["kind"] == "train")
+    # Its own batches (Task.batches: length buckets of 1 to 42 sentences): samples seen count what they hold,
+    # and one rank resuming the 2-rank job at step 4 trains on the epoch's next batches, one a step.
+    sys.path.insert(0, str(project))
+    try:
+        task = importlib.import_module("word_tags.task")
+    finally:
+        sys.path.remove(str(project))
+    at_step_4 = checkpoint(tmp_path / "uninterrupted", 4)
+    options = SimpleNamespace(seed=at_step_4["options"]["seed"], batch_size=16)
+    batches = task.length_buckets(task.TaggedSentences(512, 4, options.seed), options, 0)
+    assert sorted(index for batch in batches for index in batch) == list(range(512))
+    assert len({len(batch) for batch in batches}) > 3, "batches of many sizes"
+    assert at_step_4["samples_seen"] == sum(map(len, batches[:8]))  # 4 steps of 2 ranks
+    resized = tmp_path / "resized"
+    resized.mkdir()
+    shutil.copy(tmp_path / "uninterrupted" / "step-4.pt", resized)
+    result = run([sys.executable, "train.py", *smoke_test_args(project), *flags(
+        ckpt_dir=resized, max_steps=10, sample_log=tmp_path / "samples")], cwd=project)
+    assert result.returncode == 0, result.stderr[-3000:]
+    trained = [int(line) for line in (tmp_path / "samples" / "rank-0.txt").read_text().split()]
+    assert trained == [index for batch in batches[8:14] for index in batch]
+    assert checkpoint(resized, 10)["samples_seen"] == sum(map(len, batches[:14]))
 
 
 # The example's summarize, checked: one row per evaluated sample (the sums count 129 held-out samples: the log
@@ -541,3 +564,24 @@ def test_a_mixture_of_experts_trains_with_unused_experts_counts_their_shares_and
     for state in (expected, resumed):
         state["options"].pop("ckpt_dir")
     assert_same(resumed, expected)
+
+
+def test_a_tasks_batches_go_to_the_ranks_in_turn_and_resume_at_a_whole_batch(baked_module):
+    data, errors = baked_module("data"), baked_module("engine.errors")
+    made = [[0, 1, 2], [3], [4, 5], [6, 7, 8, 9], [10], [11, 12], [13, 14, 15], [16]]  # 17 samples, 8 batches
+
+    def sampler(rank: int, world_size: int) -> object:
+        options = SimpleNamespace(grad_accum=2)
+        return data.TaskBatches(lambda dataset, options, epoch: made, None, options,
+                                SimpleNamespace(rank=rank, world_size=world_size))
+    ranks = [sampler(rank, 2) for rank in range(2)]
+    for batches in ranks:
+        batches.set_epoch(0)
+    # A step is 2 ranks x 2 micro-batches: two whole steps; each rank takes every other batch.
+    assert [[index for _, index in batch] for batch in ranks[1]] == [[3], [6, 7, 8, 9], [11, 12], [16]]
+    assert ranks[0].samples_in_step(0) == 10 and ranks[0].samples_in_step(10) == 7
+    one = sampler(0, 1)  # resumed alone after the first step (10 samples): the next batches, one rank's turn each
+    one.set_epoch(0, 10)
+    assert [[index for _, index in batch] for batch in one] == [[10], [11, 12], [13, 14, 15], [16]]
+    with pytest.raises(errors.UsageError, match="stands 5 samples into epoch 0, between two of Task.batches'"):
+        one.set_epoch(0, 5)

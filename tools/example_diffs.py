@@ -110,11 +110,28 @@ class TaggedSentences(Dataset):
     def __len__(self) -> int:
         return self.size
 
+    def length(self, index: int) -> int:
+        return int(torch.randint(3, 13, (), generator=torch.Generator().manual_seed(self.seed * 1_000_003 + index)))
+
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         words = torch.randint(1, 20, (int(torch.randint(3, 13, (), generator=generator)),), generator=generator)
         before = torch.cat([torch.zeros(1, dtype=torch.long), words[:-1]])
         return {"input_ids": words, "labels": (words + (before > 10)) % self.tags}
+
+
+def length_buckets(dataset: TaggedSentences, options: TrainOptions, epoch: int) -> list[list[int]]:
+    """The epoch's batches (Task.batches): sentences of one length together, as many as fit --batch-size x 8
+    words (more short ones than long ones), so batches need little padding; in an order drawn from the seed and
+    the epoch, the same on every rank."""
+    generator = torch.Generator().manual_seed(options.seed * 1_000_003 + epoch)
+    by_length: dict[int, list[int]] = {}
+    for index in torch.randperm(len(dataset), generator=generator).tolist():
+        by_length.setdefault(dataset.length(index), []).append(index)
+    batches = [indices[start:start + options.batch_size * 8 // length]
+               for length, indices in sorted(by_length.items())
+               for start in range(0, len(indices), options.batch_size * 8 // length)]
+    return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
 
 
 def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -187,6 +204,7 @@ def units_in_batch(batch: dict[str, torch.Tensor]) -> torch.Tensor:
               "tagged": tagged},
     models={"small_cnn": small_cnn, "tagger": tagger},
     collate=collate,
+    batches=length_buckets,
     units_in_batch=units_in_batch,
 '''),
     ('    throughput_unit="samples",\n', '    throughput_unit="tokens",\n'),
@@ -392,8 +410,8 @@ LOSS_WEIGHT = {
          "    loss_weight: float = 1.0  # annealed after each step\n"),
         ("            return task.compute_loss(networks.model, batch, step)  # the task runs the model\n",
          "            return progress.loss_weight * task.compute_loss(networks.model, batch, step)\n"),
-        ("            progress.advance(samples_per_step)\n",
-         "            progress.advance(samples_per_step)\n"
+        ("            progress.advance(samples)\n",
+         "            progress.advance(samples)\n"
          "            progress.loss_weight = max(0.5, 0.98 * progress.loss_weight)  # halves over the first 35 steps\n"),
     ],
 }

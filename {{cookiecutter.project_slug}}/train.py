@@ -83,10 +83,10 @@ class TrainingProgress:
     samples_seen: int = 0  # global samples trained on in all, what the lr schedule follows
     evaluation_due: bool = False  # an epoch's or the run's end, still to be evaluated (a SIGTERM cut it short)
 
-    def advance(self, samples_per_step: int) -> None:
+    def advance(self, samples: int) -> None:
         self.step += 1
-        self.samples_in_epoch += samples_per_step
-        self.samples_seen += samples_per_step
+        self.samples_in_epoch += samples
+        self.samples_seen += samples
 
     def finished(self, epochs: int, max_steps: int | None, max_samples: int | None) -> bool:
         """After --epochs, or --max-steps steps; a stream after `max_samples` (its --max-steps counted at the world
@@ -109,7 +109,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     stop = StopAgreement(side_group())
     seed_and_choose_kernels(options.seed, options.deterministic, env, device)  # cuDNN autotuning, or not
     train_set, eval_set = task.build_datasets(options, env, device)
-    train_loader, eval_loader = build_loaders(train_set, eval_set, options, env, device, task.collate)
+    train_loader, eval_loader = build_loaders(train_set, eval_set, options, env, device, task.collate, task.batches)
     model = task.build_model(options, train_set).to(device)
     seed_per_rank(options.seed, env, device)  # the model is the same everywhere; now each rank draws its own numbers
     channels_last = uses_channels_last(model, device, options.channels_last)
@@ -151,9 +151,9 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     step = Step(networks, model, optimizers, amp, options, nonfinite, update, task_state)  # training_step's
     optimizer = step.optimizer  # every optimizer as one: scaled by the lr schedule, saved by checkpoints
     step_batches = []  # the micro-batches of the next step
-    samples_per_step = options.batch_size * options.grad_accum * env.world_size  # all ranks together
     # Over samples seen, not steps: a job resumed on another number of ranks continues the same curve.
-    lr_schedule = LearningRateSchedule(optimizer, options, train_loader.samples_per_epoch, samples_per_step)
+    lr_schedule = LearningRateSchedule(optimizer, options, train_loader.samples_per_epoch,
+                                       train_loader.samples_per_step)  # all ranks' (with Task.batches, a mean)
     # A streamed training set's position is the job's, not a step count: it is saved with the rest.
     stream = {"stream_position": train_loader} if train_loader.streamed else {}
     # --keep-best, --early-stop-patience: the best evaluation so far, and how many came after it.
@@ -206,7 +206,8 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
             step_batches.append(batch)  # whatever task.collate made, moved to the device as the step reads it
             if micro_step % options.grad_accum:
                 continue  # --grad-accum: more micro-batches to this step
-            lr = lr_schedule.set_lr(progress.samples_seen + samples_per_step / 2)  # at the step's middle
+            samples = train_loader.samples_in_step(progress.samples_in_epoch)  # every rank's, this step
+            lr = lr_schedule.set_lr(progress.samples_seen + samples / 2)  # at the step's middle
             batches = OnDevice(step_batches, device, channels_last)
             loss, grad_norm = step.run(training_step, batches, number=progress.step + 1)
             meter.update(loss, sum(task.units_in_batch(micro_batch) for micro_batch in step_batches),
@@ -214,7 +215,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
             step_batches = []
             amp.scaler.update()  # once a step, after every optimizer stepped: the fp16 scale for the next
             task.after_step(step)  # the task's state after the update: an EMA, a momentum encoder
-            progress.advance(samples_per_step)
+            progress.advance(samples)
             meter.end_step(progress, lr, grad_norm)
 {%- if cookiecutter.use_profiling == "yes" %}
             profiler.before_step(progress.step + 1)  # before the beat: a profiled step is a slow one

@@ -4,8 +4,10 @@ device."""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
+import itertools
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -116,12 +118,94 @@ class ShardedLoader(DataLoader):
     def steps_per_epoch(self) -> int:
         return len(self) * self.batch_size // self.sampler.rank_samples_per_step  # batches / --grad-accum
 
+    @property
+    def samples_per_step(self) -> int:  # all ranks together
+        return self.sampler.rank_samples_per_step * self.sampler.num_replicas
+
+    def samples_in_step(self, samples_in_epoch: int) -> int:
+        return self.samples_per_step
+
+
+class TaskBatches:
+    """The batch sampler of a task that makes its own batches (Task.batches: length buckets, a token budget, any
+    number of samples each). The epoch's batches are the same list on every rank; global batch j goes to rank
+    j % world size, --grad-accum of them a step, and the epoch ends where a whole step no longer fits. Its
+    position is the samples trained on this epoch, always whole batches: a job resumed on any world size
+    continues at the first batch not trained on, so no sample is trained twice or skipped."""
+
+    def __init__(self, make: Callable[[Dataset, TrainOptions, int], list[list[int]]], dataset: Dataset,
+                 options: TrainOptions, env: DistEnv):
+        self.make, self.dataset, self.options = make, dataset, options
+        self.rank, self.world_size, self.grad_accum = env.rank, env.world_size, options.grad_accum
+        self.epoch, self.start = 0, 0
+        self.cached: tuple[int, list[list[int]], list[int]] = (-1, [], [0])  # an epoch's batches, samples before each
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        if self.cached[0] != epoch:
+            batches = [list(batch) for batch in self.make(self.dataset, self.options, epoch)]
+            self.cached = (epoch, batches, [0, *itertools.accumulate(map(len, batches))])
+        return self.cached[1]
+
+    def first_batch(self, epoch: int, samples_in_epoch: int) -> int:
+        """The index of the epoch's batch after those holding its first `samples_in_epoch` samples."""
+        self.batches(epoch)
+        before = self.cached[2]
+        index = bisect.bisect_left(before, samples_in_epoch)
+        if index == len(before) or before[index] != samples_in_epoch:
+            raise UsageError(f"the checkpoint stands {samples_in_epoch} samples into epoch {epoch}, between two of "
+                             "Task.batches' batches: they changed since it was written; resume with the code that "
+                             "wrote it, or from the start of an epoch")
+        return index
+
+    def set_epoch(self, epoch: int, samples_in_epoch: int = 0) -> None:
+        self.epoch, self.start = epoch, self.first_batch(epoch, samples_in_epoch)
+
+    def __len__(self) -> int:  # this rank's micro-batches left this epoch
+        per_step = self.world_size * self.grad_accum
+        return (len(self.batches(self.epoch)) - self.start) // per_step * self.grad_accum
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        batches = self.batches(self.epoch)
+        for micro_batch in range(len(self)):  # (epoch, index) keys, for SeededSampleDataset
+            yield [(self.epoch, index) for index in batches[self.start + micro_batch * self.world_size + self.rank]]
+
+    def samples_in_step(self, samples_in_epoch: int) -> int:
+        """Every rank's samples in the step that starts `samples_in_epoch` samples into the current epoch."""
+        first = self.first_batch(self.epoch, samples_in_epoch)
+        return sum(map(len, self.batches(self.epoch)[first:first + self.world_size * self.grad_accum]))
+
+
+class TaskBatchLoader(DataLoader):
+    """The training DataLoader over a task's own batches (TaskBatches)."""
+
+    streamed = False
+
+    def start_epoch(self, epoch: int, samples_in_epoch: int) -> None:
+        self.batch_sampler.set_epoch(epoch, samples_in_epoch)
+
+    @property
+    def samples_per_epoch(self) -> int:  # what its batches hold: the lr schedule spans this times --epochs
+        return sum(map(len, self.batch_sampler.batches(0)))
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.batch_sampler.batches(0)) // (self.batch_sampler.world_size * self.batch_sampler.grad_accum)
+
+    @property
+    def samples_per_step(self) -> int:  # a mean: what --warmup-steps counts in
+        return self.samples_per_epoch // max(self.steps_per_epoch, 1)
+
+    def samples_in_step(self, samples_in_epoch: int) -> int:
+        return self.batch_sampler.samples_in_step(samples_in_epoch)
+
 
 def build_loaders(train_set: Dataset | StreamedDataset, eval_set: Dataset, options: TrainOptions, env: DistEnv,
-                  device: torch.device, collate: Callable[[list], Any]
-                  ) -> tuple[ShardedLoader | StreamLoader, DataLoader]:
+                  device: torch.device, collate: Callable[[list], Any],
+                  batches: Callable[[Dataset, TrainOptions, int], list[list[int]]] | None = None,
+                  ) -> tuple[ShardedLoader | TaskBatchLoader | StreamLoader, DataLoader]:
     """The training loader (resumable sharding, per-sample seeds; or a stream's) and the held-out one (each
-    rank a disjoint shard, no padding); `collate` (task.py's) makes a list of samples one batch."""
+    rank a disjoint shard, no padding); `collate` (task.py's) makes a list of samples one batch. `batches`
+    (Task.batches): the task's own, for both."""
     if options.num_workers:
         start_forkserver_deaf_to_sigterm()  # a no-op unless loader workers are started by a forkserver
     sample_log = None
@@ -131,27 +215,44 @@ def build_loaders(train_set: Dataset | StreamedDataset, eval_set: Dataset, optio
     common = dict(batch_size=options.batch_size, num_workers=options.num_workers, collate_fn=collate,
                   pin_memory=device.type == "cuda", persistent_workers=options.num_workers > 0,
                   worker_init_fn=functools.partial(detach_from_job_signals, training_process=os.getpid()))
-    # Evaluation shards without padding, so sums and counts over ranks count every sample exactly once.
-    eval_shard = Subset(eval_set, range(env.rank, len(eval_set), env.world_size))
-    eval_loader = DataLoader(eval_shard, shuffle=False, generator=torch.Generator().manual_seed(options.seed),
-                             **common)
+    # Evaluation shards without padding, so sums and counts over ranks count every sample exactly once. Each
+    # loader has a generator of its own: otherwise each new iterator draws a seed from the global RNG, and a
+    # resumed run (restored RNG, one more iterator) would continue with other random numbers (dropout masks).
+    if batches is not None:  # the task's batches: each rank every world_size-th
+        eval_batches = [list(batch) for batch in batches(eval_set, options, 0)][env.rank::env.world_size]
+        eval_loader = DataLoader(eval_set, batch_sampler=eval_batches, generator=torch.Generator().manual_seed(
+            options.seed), **{key: value for key, value in common.items() if key != "batch_size"})
+    else:
+        eval_shard = Subset(eval_set, range(env.rank, len(eval_set), env.world_size))
+        eval_loader = DataLoader(eval_shard, shuffle=False, generator=torch.Generator().manual_seed(options.seed),
+                                 **common)
     if isinstance(train_set, StreamedDataset):
+        if batches is not None:
+            raise UsageError("Task.batches makes batches of a map-style training set; a streamed one is batched by "
+                             "--batch-size (give --data a map-style set, or leave Task.batches out)")
         require_max_steps(options)
         return StreamLoader(train_set, env, batch_size=options.batch_size, grad_accum=options.grad_accum,
                             num_workers=options.num_workers, seed=options.seed, collate=collate,
                             pin_memory=common["pin_memory"], worker_init_fn=common["worker_init_fn"],
                             sample_log=sample_log), eval_loader
-    train_set = SeededSampleDataset(train_set, options.seed)
+    seeded = SeededSampleDataset(train_set, options.seed)
     if sample_log is not None:
-        train_set = SampleLoggingDataset(train_set, sample_log)
-    sampler = ResumableDistributedSampler(train_set, env.world_size, env.rank, seed=options.seed,
-                                          rank_samples_per_step=options.batch_size * options.grad_accum)
-    # drop_last keeps every step's batch the same size on every rank. A generator of its own: otherwise each
-    # new epoch's iterator draws a seed from the global RNG, and a resumed run (restored RNG, one more
-    # iterator) would continue with other random numbers than the uninterrupted one (e.g. dropout masks).
-    # Workers read a whole step ahead: the step starts once its --grad-accum micro-batches are in.
+        seeded = SampleLoggingDataset(seeded, sample_log)
     read_ahead = (dict(prefetch_factor=max(2, math.ceil((options.grad_accum + 1) / options.num_workers)))
                   if options.num_workers else {})
+    if batches is not None:
+        task_batches = TaskBatches(batches, train_set, options, env)
+        if len(task_batches) == 0:
+            raise UsageError(f"Task.batches makes {len(task_batches.batches(0))} batches of the training set, fewer "
+                             f"than one step takes ({env.world_size} ranks x --grad-accum {options.grad_accum})")
+        return TaskBatchLoader(seeded, batch_sampler=task_batches, generator=torch.Generator().manual_seed(
+            options.seed), **{key: value for key, value in common.items() if key != "batch_size"},
+            **read_ahead), eval_loader
+    train_set = seeded
+    sampler = ResumableDistributedSampler(train_set, env.world_size, env.rank, seed=options.seed,
+                                          rank_samples_per_step=options.batch_size * options.grad_accum)
+    # drop_last keeps every step's batch the same size on every rank.
+    # Workers read a whole step ahead: the step starts once its --grad-accum micro-batches are in.
     train_loader = ShardedLoader(train_set, sampler=sampler, drop_last=True,
                                  generator=torch.Generator().manual_seed(options.seed), **common, **read_ahead)
     if len(train_loader) == 0:

@@ -106,6 +106,11 @@ class Task:
     # watchdog allows --io-timeout. Its random draws come from `generator` (seeded from --seed and the step), and
     # torch's own generators are put back as they were after it: nothing it draws changes the training run.
     rank_0_work: tuple[int, Callable[[Any, torch.Generator], None]] | None = None
+    # The task's own batches (length buckets, a token budget: any number of samples each). batches(dataset,
+    # options, epoch) -> the epoch's batches, each a list of sample indices, the same list on every rank (draw
+    # from options.seed and epoch; --batch-size is then unused). Ranks take them in turn, --grad-accum each a
+    # step; samples seen and the lr schedule count what they hold; the held-out set's (epoch 0's) too.
+    batches: Callable[[Dataset, TrainOptions, int], list[list[int]]] | None = None
     # A step may leave some trained parameters without a gradient (a mixture of experts whose router sends no
     # token to an expert, a branch taken on some steps): DDP then looks for them after every forward, a little
     # slower (find_unused_parameters). Without it such a step stops the job at the replica check, naming them.

@@ -292,6 +292,13 @@ class StreamLoader:
 
     samples_per_epoch = steps_per_epoch = None  # known only once read: the lr schedule spans --max-steps
 
+    @property
+    def samples_per_step(self) -> int:  # all ranks together
+        return self.batch_size * self.grad_accum * self.env.world_size
+
+    def samples_in_step(self, samples_in_epoch: int) -> int:
+        return self.samples_per_step
+
     def start_epoch(self, epoch: int, samples_in_epoch: int) -> None:
         """Plan `epoch`: from the loaded position if it is this epoch's, else from its start (the position, not
         a count of samples, says where a stream stands)."""
