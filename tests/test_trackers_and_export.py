@@ -20,9 +20,11 @@ from helpers import (
     free_port,
     kill_a_worker_and_finish,
     readme_block,
+    run,
     run_job,
     start_job,
     tiny_run,
+    with_task_code,
     worker_pids,
 )
 
@@ -237,3 +239,34 @@ def test_tied_weights_are_exported_as_copies_that_load_back_into_the_tie(baked_m
         with pytest.raises(SystemExit, match=r"^error: export writes model.safetensors with the safetensors package, "
                                              r"which is not installed; pip install -e \."):
             baked_module("export").main([str(tmp_path / "tied.safetensors"), str(tmp_path / "out.pt")])
+
+
+# LoRA's export: each adapted layer's weight plus B @ A, the adapters dropped (TASK's export_weights).
+LORA_MERGED = '''
+
+import dataclasses
+
+
+def merged(weights, options):
+    assert options.num_classes == 3  # the run's task options, as saved
+    adapters = [name.removesuffix(".lora_a") for name in weights if name.endswith(".lora_a")]
+    merged = {name: tensor for name, tensor in weights.items() if not name.endswith((".lora_a", ".lora_b"))}
+    for layer in adapters:
+        merged[f"{layer}.weight"] = weights[f"{layer}.weight"] + weights[f"{layer}.lora_b"] @ weights[f"{layer}.lora_a"]
+    return merged
+
+
+TASK = dataclasses.replace(TASK, export_weights=merged)
+'''
+
+
+def test_export_writes_the_form_the_tasks_export_weights_makes(default_project, tmp_path):
+    project = with_task_code(default_project, tmp_path, LORA_MERGED)
+    weight, bias, lora_a, lora_b = torch.randn(3, 4), torch.randn(3), torch.randn(2, 4), torch.randn(3, 2)
+    torch.save({"model": {"head.weight": weight, "head.bias": bias, "head.lora_a": lora_a, "head.lora_b": lora_b},
+                "options": {"num_classes": 3}, "step": 7}, tmp_path / "step-7.pt")
+    result = run([sys.executable, "-m", "ddp_training.export", str(tmp_path / "step-7.pt"), "merged.pt"], cwd=project)
+    assert result.returncode == 0 and "in the form TASK's export_weights makes" in result.stdout, result.stderr
+    exported = torch.load(project / "merged.pt", weights_only=True)
+    assert exported.keys() == {"head.weight", "head.bias"}
+    assert torch.equal(exported["head.weight"], weight + lora_b @ lora_a) and torch.equal(exported["head.bias"], bias)

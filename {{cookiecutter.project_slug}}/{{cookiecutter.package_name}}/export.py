@@ -8,7 +8,7 @@
 writes model.pt (the state_dict, for torch.load), model.safetensors (the same tensors, loadable by any
 safetensors reader without pickle) and model.json (the task options that rebuild the model, and the step).
 A task that evaluates with other weights (TASK's evaluate_with: an EMA) has those written, unless --trained
-asks for the weights as trained. One process, no GPU or torchrun needed; the README shows loading them.
+asks for the weights as trained; TASK's export_weights gives them the task's form (LoRA merged into its base). One process, no GPU or torchrun needed; the README shows loading them.
 """
 
 from __future__ import annotations
@@ -146,6 +146,9 @@ def main(argv: list[str] | None = None) -> None:
         checkpoint = newest_checkpoint(checkpoint)
     evaluated = None if args.trained else TASK.evaluate_with  # what every evaluation used: an EMA, say
     weights, options, step = load_checkpoint(checkpoint, evaluated)
+    task_options = {spec.name: options[spec.name] for spec in dataclasses.fields(TaskOptions) if spec.name in options}
+    if TASK.export_weights is not None:  # the task's form of them: adapters merged into their base, say
+        weights = TASK.export_weights(weights, TaskOptions(**task_options))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     torch.save(weights, args.output)
     # "format": "pt" is what Hugging Face's loaders look for in a safetensors file written from torch.
@@ -154,13 +157,12 @@ def main(argv: list[str] | None = None) -> None:
     umask = os.umask(0)  # read (one thread here): save_file leaves its file 0600, unlike a plain write
     os.umask(umask)
     args.output.with_suffix(".safetensors").chmod(0o666 & ~umask)  # readable by whom model.pt is
-    task_options = {spec.name: options[spec.name] for spec in dataclasses.fields(TaskOptions) if spec.name in options}
     args.output.with_suffix(".json").write_text(json.dumps({"step": step, "task": task_options}, indent=1) + "\n")
     print(f"wrote {len(weights)} tensors ({sum(t.numel() for t in weights.values()):,} values) "
           f"from {checkpoint} to {args.output}, {args.output.with_suffix('.safetensors').name} and "
           f"{args.output.with_suffix('.json').name}"
           + (f"; the model's tensors of the {evaluated!r} entry, as evaluation used them (--trained: as trained)"
-             if evaluated else ""))
+             if evaluated else "") + ("; in the form TASK's export_weights makes" if TASK.export_weights else ""))
 
 
 if __name__ == "__main__":

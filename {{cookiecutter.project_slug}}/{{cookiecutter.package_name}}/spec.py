@@ -101,6 +101,9 @@ class Task:
     # included, and whose state_dict export writes over the model's (an EMA's averages; optim.py's
     # ExponentialMovingAverage has both). None: the trained weights.
     evaluate_with: str | None = None
+    # What export writes, made from the weights it read (the model's, or evaluate_with's over them) and the run's
+    # task options: LoRA adapters merged into their base, say. None: those weights as they are.
+    export_weights: Callable[[dict[str, torch.Tensor], Any], dict[str, torch.Tensor]] | None = None
     # Work one rank does alone every N optimizer steps (sample images, a figure, an upload): (N, work). After
     # steps N, 2N, ... work(step, generator) runs on rank 0 while every other rank waits for it, in a phase the
     # watchdog allows --io-timeout. Its random draws come from `generator` (seeded from --seed and the step), and
