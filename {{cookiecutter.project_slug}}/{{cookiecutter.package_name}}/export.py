@@ -8,7 +8,8 @@
 writes model.pt (the state_dict, for torch.load), model.safetensors (the same tensors, loadable by any
 safetensors reader without pickle) and model.json (the task options that rebuild the model, and the step).
 A task that evaluates with other weights (TASK's evaluate_with: an EMA) has those written, unless --trained
-asks for the weights as trained; TASK's export_weights gives them the task's form (LoRA merged into its base). One process, no GPU or torchrun needed; the README shows loading them.
+asks for the weights as trained; TASK's export_weights gives them the task's form (LoRA merged into its
+base). One process, no GPU or torchrun needed; the README shows loading them.
 """
 
 from __future__ import annotations
