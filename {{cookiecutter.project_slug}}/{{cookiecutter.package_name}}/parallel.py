@@ -128,6 +128,9 @@ def shard_model(model: nn.Module, param_dtype: torch.dtype | None) -> None:
     fully_shard(model, mp_policy=precision_policy(model, param_dtype, output_dtype=torch.float32))
     groups = sum(is_sharded(module) for module in model.modules())
     log.info("fsdp2: %d groups, one all-gather each per forward and per backward", groups)
+    if groups == 1:  # nothing to shard block by block: every rank holds the whole model during each pass
+        log.warning("fsdp2: no blocks to shard found, so the whole model is gathered on every rank for each "
+                    "forward and backward; give the model a shardable_blocks() method returning its blocks")
 
 
 def precision_policy(group: nn.Module, param_dtype: torch.dtype | None,
