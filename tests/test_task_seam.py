@@ -533,6 +533,9 @@ def test_what_a_coupled_batch_becomes_is_said_and_step_log_takes_one_number_per_
     with pytest.raises(errors.UsageError, match=r"--batch-size 8 keeps it \(Task.keep_coupled_batch\)$"):
         optim.check_coupled_batch("global_batch", True, nn.Linear(1, 1), options, 4, (2, {"batch_size": 16}))
 
+    with pytest.raises(errors.UsageError, match=r"find_unused_parameters=True\) is DDP's: under FSDP2"):
+        baked_module("parallel").wrap_model(nn.Linear(2, 1), torch.device("cpu"), "fsdp2", find_unused_parameters=True)
+
     model = nn.Linear(2, 1)
     step = optim.Step(SimpleNamespace(model=model), model, torch.optim.SGD(model.parameters()), None, options, None,
                       None)
@@ -567,13 +570,15 @@ def test_a_mixture_of_experts_trains_with_unused_experts_counts_their_shares_and
 
 
 def test_a_tasks_batches_go_to_the_ranks_in_turn_and_resume_at_a_whole_batch(baked_module):
+    import torch
+
     data, errors = baked_module("data"), baked_module("engine.errors")
     made = [[0, 1, 2], [3], [4, 5], [6, 7, 8, 9], [10], [11, 12], [13, 14, 15], [16]]  # 17 samples, 8 batches
 
     def sampler(rank: int, world_size: int) -> object:
         options = SimpleNamespace(grad_accum=2)
         return data.TaskBatches(lambda dataset, options, epoch: made, None, options,
-                                SimpleNamespace(rank=rank, world_size=world_size))
+                                SimpleNamespace(rank=rank, world_size=world_size), torch.device("cpu"))
     ranks = [sampler(rank, 2) for rank in range(2)]
     for batches in ranks:
         batches.set_epoch(0)
@@ -585,3 +590,14 @@ def test_a_tasks_batches_go_to_the_ranks_in_turn_and_resume_at_a_whole_batch(bak
     assert [[index for _, index in batch] for batch in one] == [[10], [11, 12], [13, 14, 15], [16]]
     with pytest.raises(errors.UsageError, match="stands 5 samples into epoch 0, between two of Task.batches'"):
         one.set_epoch(0, 5)
+    # A checkpoint of other batches (an option they depend on changed): refused, not resumed at a count.
+    loader = SimpleNamespace(batch_sampler=one)
+    saved = data.TaskBatchLoader.state_dict(loader)
+    made.reverse()
+    one.cached = (-1, [], [0])
+    data.TaskBatchLoader.load_state_dict(loader, saved)
+    with pytest.raises(errors.UsageError, match="makes other batches for epoch 0 than the run that wrote the"):
+        one.set_epoch(0, 10)
+    made.append([])
+    with pytest.raises(errors.UsageError, match="made an empty batch for epoch 1"):
+        one.set_epoch(1)

@@ -505,7 +505,8 @@ MIXTURE = {"PACKAGE/task.py": [
         refined = torch.zeros_like(features)
         for index, expert in enumerate(self.experts):
             sent = chosen == index
-            refined[sent] = expert(features[sent]) * gates[sent, index, None]  # times its gate: the router learns
+            if sent.any():  # an expert no sample is sent to takes no part in this step: no gradient
+                refined[sent] = expert(features[sent]) * gates[sent, index, None]  # its gate: the router learns
         return features + refined
 
 

@@ -147,25 +147,25 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     training_step = task.training_step or loss_step
     # The task's own state beside the model (an EMA, say): updated by task.after_step, saved with the rest.
     task_state = task.build_state(model, options, taken={"model", "optimizer", "lr_schedule", "grad_scaler",
-                                                         "selection", "stream_position"})
+                                                         "selection", "stream_position", "batches_position"})
     step = Step(networks, model, optimizers, amp, options, nonfinite, update, task_state)  # training_step's
     optimizer = step.optimizer  # every optimizer as one: scaled by the lr schedule, saved by checkpoints
     step_batches = []  # the micro-batches of the next step
     # Over samples seen, not steps: a job resumed on another number of ranks continues the same curve.
     lr_schedule = LearningRateSchedule(optimizer, options, train_loader.samples_per_epoch,
                                        train_loader.samples_per_step)  # all ranks' (with Task.batches, a mean)
-    # A streamed training set's position is the job's, not a step count: it is saved with the rest.
-    stream = {"stream_position": train_loader} if train_loader.streamed else {}
+    # Where the training set stands beyond a count of samples (a stream's position, the task's batches): saved.
+    position = {train_loader.position_entry: train_loader} if train_loader.position_entry else {}
     # --keep-best, --early-stop-patience: the best evaluation so far, and how many came after it.
     selection = ModelSelection(options.selection, options.checkpoint.ckpt_dir, env)
     checkpointer = build_checkpointer(options.checkpoint, recorded(options), env, device,
                                       sharded=options.strategy == "fsdp2", model=model, optimizer=optimizer,
-                                      lr_schedule=lr_schedule, grad_scaler=amp, selection=selection, **stream,
+                                      lr_schedule=lr_schedule, grad_scaler=amp, selection=selection, **position,
                                       **task_state)
     progress = checkpointer.resume(TrainingProgress)  # the newest checkpoint's, or a fresh one
     # What --grad-accum and a resize do to a loss that couples a batch's samples (contrastive, BatchNorm).
     check_coupled_batch(task.loss_couples, task.keep_coupled_batch, model, options, env.world_size,
-                        checkpointer.resumed_from)
+                        checkpointer.resumed_from, own_batches=task.batches is not None)
     # A stream's run is a number of samples (--max-steps steps of its first world size), which a resize keeps.
     max_samples = lr_schedule.stream_samples  # None for a map-style set: --epochs, or --max-steps steps
 {%- if cookiecutter.use_profiling == "yes" %}
@@ -210,11 +210,11 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
             lr = lr_schedule.set_lr(progress.samples_seen + samples / 2)  # at the step's middle
             batches = OnDevice(step_batches, device, channels_last)
             loss, grad_norm = step.run(training_step, batches, number=progress.step + 1)
-            meter.update(loss, sum(task.units_in_batch(micro_batch) for micro_batch in step_batches),
-                         step.logged_means())  # with what the task gave step.log(...)
-            step_batches = []
             amp.scaler.update()  # once a step, after every optimizer stepped: the fp16 scale for the next
             task.after_step(step)  # the task's state after the update: an EMA, a momentum encoder
+            meter.update(loss, sum(task.units_in_batch(micro_batch) for micro_batch in step_batches),
+                         step.logged_means())  # with what the task gave step.log(...), after_step's included
+            step_batches = []
             progress.advance(samples)
             meter.end_step(progress, lr, grad_norm)
 {%- if cookiecutter.use_profiling == "yes" %}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import hashlib
 import itertools
 import math
 import os
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
+from .engine.collectives import same_on_every_rank
 from .engine.distributed import DistEnv
 from .engine.errors import UsageError
 from .engine.processes import detach_from_job_signals, start_forkserver_deaf_to_sigterm
@@ -104,7 +106,7 @@ class ResumableDistributedSampler(DistributedSampler):
 class ShardedLoader(DataLoader):
     """The training DataLoader of a map-style set; like StreamLoader, it knows where an epoch starts."""
 
-    streamed = False  # its position is TrainingProgress's sample count: nothing more to save
+    position_entry = None  # its position is TrainingProgress's sample count: nothing more to save
 
     def start_epoch(self, epoch: int, samples_in_epoch: int) -> None:
         """Mid-epoch resume: skip exactly the samples this epoch has already trained on, on any world size."""
@@ -134,17 +136,23 @@ class TaskBatches:
     continues at the first batch not trained on, so no sample is trained twice or skipped."""
 
     def __init__(self, make: Callable[[Dataset, TrainOptions, int], list[list[int]]], dataset: Dataset,
-                 options: TrainOptions, env: DistEnv):
+                 options: TrainOptions, env: DistEnv, device: torch.device):
         self.make, self.dataset, self.options = make, dataset, options
         self.rank, self.world_size, self.grad_accum = env.rank, env.world_size, options.grad_accum
-        self.epoch, self.start = 0, 0
+        self.device, self.epoch, self.start = device, 0, 0
         self.cached: tuple[int, list[list[int]], list[int]] = (-1, [], [0])  # an epoch's batches, samples before each
+        self.saved: dict | None = None  # the checkpoint's (epoch, hash of its batches), until that epoch starts
 
     def batches(self, epoch: int) -> list[list[int]]:
         if self.cached[0] != epoch:
             batches = [list(batch) for batch in self.make(self.dataset, self.options, epoch)]
+            if not all(batches):
+                raise UsageError(f"Task.batches made an empty batch for epoch {epoch}; leave empty ones out")
             self.cached = (epoch, batches, [0, *itertools.accumulate(map(len, batches))])
         return self.cached[1]
+
+    def digest(self, epoch: int) -> str:
+        return hashlib.sha256(repr(self.batches(epoch)).encode()).hexdigest()[:16]
 
     def first_batch(self, epoch: int, samples_in_epoch: int) -> int:
         """The index of the epoch's batch after those holding its first `samples_in_epoch` samples."""
@@ -158,6 +166,16 @@ class TaskBatches:
         return index
 
     def set_epoch(self, epoch: int, samples_in_epoch: int = 0) -> None:
+        """Every rank, at the epoch's start or resumed in it (a collective): the batches must be one list."""
+        if not same_on_every_rank(self.digest(epoch), self.device):
+            raise UsageError(f"Task.batches made other batches for epoch {epoch} on other ranks; draw them from "
+                             "options.seed and the epoch alone (a torch.Generator of their own), not torch's "
+                             "global generator, which each rank seeds apart")
+        saved, self.saved = self.saved, None
+        if saved is not None and saved["epoch"] == epoch and saved["batches"] != self.digest(epoch):
+            raise UsageError(f"Task.batches makes other batches for epoch {epoch} than the run that wrote the "
+                             "checkpoint (an option or code they depend on changed), so its count of samples trained "
+                             "on names no place in them; resume with the options and code that wrote it")
         self.epoch, self.start = epoch, self.first_batch(epoch, samples_in_epoch)
 
     def __len__(self) -> int:  # this rank's micro-batches left this epoch
@@ -176,9 +194,17 @@ class TaskBatches:
 
 
 class TaskBatchLoader(DataLoader):
-    """The training DataLoader over a task's own batches (TaskBatches)."""
+    """The training DataLoader over a task's own batches (TaskBatches). Checkpoints hold a hash of the epoch's
+    batches beside the count of samples trained on: a resume whose Task.batches makes other batches (an option
+    they depend on changed) would otherwise go on with other samples than the count says, without a word."""
 
-    streamed = False
+    position_entry = "batches_position"  # its checkpoint entry
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.batch_sampler.epoch, "batches": self.batch_sampler.digest(self.batch_sampler.epoch)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batch_sampler.saved = state
 
     def start_epoch(self, epoch: int, samples_in_epoch: int) -> None:
         self.batch_sampler.set_epoch(epoch, samples_in_epoch)
@@ -241,7 +267,7 @@ def build_loaders(train_set: Dataset | StreamedDataset, eval_set: Dataset, optio
     read_ahead = (dict(prefetch_factor=max(2, math.ceil((options.grad_accum + 1) / options.num_workers)))
                   if options.num_workers else {})
     if batches is not None:
-        task_batches = TaskBatches(batches, train_set, options, env)
+        task_batches = TaskBatches(batches, train_set, options, env, device)
         if len(task_batches) == 0:
             raise UsageError(f"Task.batches makes {len(task_batches.batches(0))} batches of the training set, fewer "
                              f"than one step takes ({env.world_size} ranks x --grad-accum {options.grad_accum})")

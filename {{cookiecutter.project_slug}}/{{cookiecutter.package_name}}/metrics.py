@@ -4,7 +4,6 @@ a progress bar, and written by rank 0 to metrics.jsonl and a tracker."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -16,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .engine.collectives import all_gather_objects, all_reduce, world_size
+from .engine.collectives import all_gather_objects, all_reduce, same_on_every_rank, world_size
 from .engine.distributed import DistEnv
 from .engine.errors import UsageError
 from .options import LoggingOptions, TrainOptions
@@ -210,12 +209,9 @@ class TrainingMeter:
     def log_and_reset(self, progress: Any, lr: float) -> None:
         """Log the mean loss over ranks and micro-batches since the last line (a collective)."""
         names = sorted(self.task_sums)
-        # Every rank must log the same names, or the all-reduce below would add up different values: one small
-        # all-reduce compares a hash of them.
-        name_hash = int.from_bytes(hashlib.sha256("\0".join(names).encode()).digest()[:6], "big")
-        highest, minus_lowest = all_reduce(torch.tensor([name_hash, -name_hash], dtype=torch.float64,
-                                                        device=self.units.device), "max").tolist()
-        if highest != -minus_lowest:
+        # Every rank must log the same names, or the all-reduce below would add up different values (or, of
+        # another length, hang): one small all-reduce compares them first.
+        if not same_on_every_rank("\0".join(names), self.units.device):
             theirs = sorted({tuple(ranks_names) for ranks_names in all_gather_objects(names)})
             raise UsageError(f"step.log(...) was given other names on other ranks in the steps up to {progress.step} "
                              f"({' vs '.join(map(str, map(list, theirs[:3])))}); log the same names on every rank "

@@ -133,6 +133,8 @@ class Step:
         self.stepped: set[str] = set()  # this step's
         self.logged: dict[str, tuple[torch.Tensor, int]] = {}  # this step's log(...) values: (sum, calls)
         self.first_number: int | None = None  # this run's first step
+        self.finds_unused = any(getattr(network, "find_unused_parameters", False)  # DDP's own search is on
+                                for network in vars(networks).values())
         self.without_gradient: list[str] = []  # trained parameters its updates found with no gradient (DDP's
         # unused parameters), named by the replica check if the ranks' models then differ
 
@@ -180,7 +182,7 @@ class Step:
         # None named: every optimizer as one, clipped by one norm over all parameters (torch's usual clipping).
         stepping = [self.optimizers[name] for name in names] if names else [self.optimizer]
         self.stepped.update(names or self.optimizers)
-        if self.number == self.first_number:
+        if self.number == self.first_number and not self.finds_unused:
             self.without_gradient += parameters_without_gradient(self.model, stepping)
         for optimizer in stepping:
             self.grad_norms.append(self.optimizer_step(optimizer, self.number))
@@ -307,12 +309,14 @@ def warmup_then_decay(samples_seen: float, warmup_samples: int, total_samples: i
 
 
 def check_coupled_batch(couples: str | None, keep: bool, model: torch.nn.Module, options: TrainOptions,
-                        world_size: int, resumed_from: tuple[int, dict] | None) -> None:
+                        world_size: int, resumed_from: tuple[int, dict] | None, own_batches: bool = False) -> None:
     """Say what --grad-accum and a resize do to a loss that couples the samples of a batch (Task.loss_couples,
     or BatchNorm's statistics): a step of N micro-batches is N batches coupled apart, not one N times larger; and
     a resize changes a batch coupled across ranks. With `keep`, such a resize stops instead, naming the
-    --batch-size that keeps it. `resumed_from`: (world size, options) of the checkpoint resumed, if any."""
-    norms = [module for module in model.modules() if isinstance(module, torch.nn.modules.batchnorm._BatchNorm)]
+    --batch-size that keeps it. `resumed_from`: (world size, options) of the checkpoint resumed, if any;
+    `own_batches`: the task makes its batches (Task.batches), of its own sizes."""
+    norms = [module for module in model.modules() if isinstance(module, torch.nn.modules.batchnorm._BatchNorm)
+             and any(parameter.requires_grad for parameter in module.parameters())]  # not a frozen teacher's
     why = f"Task.loss_couples={couples!r}"
     if couples is None and norms:
         synced = isinstance(norms[0], torch.nn.SyncBatchNorm)
@@ -320,6 +324,11 @@ def check_coupled_batch(couples: str | None, keep: bool, model: torch.nn.Module,
     if couples is None:
         return
     coupled = options.batch_size * (world_size if couples == "global_batch" else 1)
+    if own_batches:
+        if options.grad_accum > 1:
+            log.info("the loss couples the samples of a batch (%s): a step of --grad-accum %d is %d of the task's "
+                     "batches, each coupled alone", why, options.grad_accum, options.grad_accum)
+        return
     if options.grad_accum > 1:
         log.info("the loss couples the samples of a batch (%s): a step of --grad-accum %d is %d batches of %d "
                  "samples each coupled alone, not one of %d", why, options.grad_accum, options.grad_accum, coupled,

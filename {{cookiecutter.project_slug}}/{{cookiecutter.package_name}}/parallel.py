@@ -31,6 +31,10 @@ def wrap_model(model: torch.nn.Module, device: torch.device, strategy: str = "dd
     fsdp2: `model` itself, its parameters sharded in place (each rank holds 1/world_size of them).
     One plain process: the model itself.
     """
+    if strategy == "fsdp2" and find_unused_parameters:  # FSDP2 reduce-scatters only what has a gradient
+        raise UsageError("Task(find_unused_parameters=True) is DDP's: under FSDP2 a parameter without a gradient on "
+                         "some rank makes the ranks' reduce-scatters differ, a hang or wrong gradients "
+                         "(pytorch/pytorch#158719); use --strategy ddp, or let every step use every parameter")
     checkpoint_activations(model, activation_checkpointing)  # before wrapping: FSDP2's hooks then run around it
     if dist.is_initialized() and strategy == "fsdp2":
         shard_model(model, param_dtype)

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from .data import tensors_in
-from .engine.collectives import barrier, run_once_per_storage
+from .engine.collectives import all_reduce, barrier, run_once_per_storage, same_on_every_rank
 from .engine.distributed import DistEnv
 from .engine.errors import UsageError
 from .engine.replicas import bit_sum
@@ -272,12 +272,20 @@ class LeftOutWeights:
         self.names, self.go_on = model.left_out_of_checkpoints, go_on
         tensors = [(f"{name}.{key}", tensor) for name in self.names
                    for key, tensor in model.get_submodule(name).state_dict().items()]
-        # The whole tensor under FSDP2 (a collective), so that any world size gives the same fingerprint.
-        sums = torch.stack([bit_sum(tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).cpu()
-                            for _, tensor in tensors]).tolist() if tensors else []
+        device = tensors[0][1].device if tensors else torch.device("cpu")
+        sums = torch.stack([bit_sum(tensor.to_local() if hasattr(tensor, "to_local") else tensor)
+                            for _, tensor in tensors]) if tensors else torch.zeros(0, dtype=torch.int64)
+        sharded = torch.tensor([hasattr(tensor, "to_local") for _, tensor in tensors], dtype=torch.bool,
+                               device=sums.device)
+        if bool(sharded.any()):  # FSDP2's shards: their sums over ranks are the whole tensors', at any world size
+            sums = torch.where(sharded, all_reduce(torch.where(sharded, sums, 0), "sum"), sums)
         described = [(key, list(tensor.shape), str(tensor.dtype), total)
-                     for (key, tensor), total in zip(tensors, sums, strict=True)]
+                     for (key, tensor), total in zip(tensors, sums.tolist(), strict=True)]
         self.fingerprint = hashlib.sha256(repr(described).encode()).hexdigest()[:16]
+        if not same_on_every_rank(self.fingerprint, device):  # a collective, on every rank in build_state
+            raise UsageError(f"the modules checkpoints leave out ({', '.join(self.names)}) hold other weights on "
+                             "some ranks than on others: the model builder read other contents (a weights file "
+                             "that differs between machines?); give every rank the same")
 
     def state_dict(self) -> dict[str, str]:
         return {"fingerprint": self.fingerprint}

@@ -268,7 +268,7 @@ class StreamLoader:
     of leaving the others waiting in a collective. The batches some ranks had read for that step are not
     trained on in this epoch."""
 
-    streamed = True
+    position_entry = "stream_position"  # its checkpoint entry: where the stream stands
 
     def __init__(self, dataset: StreamedDataset, env: DistEnv, *, batch_size: int, grad_accum: int,
                  num_workers: int, seed: int, collate: Callable[[list], Any], pin_memory: bool,
