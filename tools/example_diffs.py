@@ -46,6 +46,7 @@ BUILD_OPTIMIZER = '''def build_optimizer(model: nn.Module, options: TrainOptions
 REGRESSION = {"PACKAGE/task.py": [
     (IMAGE_SMOKE_ARGS, '''    smoke_test_args=["--data", "fake_table", "--fake-samples", "512", "--batch-size", "16", "--model", "mlp",
                      "--num-workers", "0", "--device", "cpu", "--lr", "0.01"],
+    smoke_test_learning=(30, "mean_absolute_error", "<", 0.4),  # in the target's units, after 30 steps
 '''),
     (BEFORE_FAKE_IMAGES, '''
 
@@ -326,6 +327,7 @@ def training_step(step: Step, batches: list) -> torch.Tensor:
 ]}
 
 TEACHER = {"PACKAGE/task.py": [
+    ("from pathlib import Path\n", "from pathlib import Path\nfrom types import SimpleNamespace\n"),
     ("from .spec import Task\n", "from .spec import Task, leave_out_of_checkpoints\n"),
     ('''    num_classes: int = option(10, "outputs of the model's head (cifar10 has 10 classes)", fixed=True)
 ''', '''    num_classes: int = option(10, "outputs of the model's head (cifar10 has 10 classes)", fixed=True)
@@ -358,6 +360,15 @@ def distilled(options: TrainOptions, train_set: Dataset) -> nn.Module:
     return leave_out_of_checkpoints(Distilled(small_cnn(options, train_set, width=8), teacher), "teacher")
 
 
+def teacher_file(folder: Path) -> list[str]:
+    """For tests/ (TASK.smoke_test_files): a teacher's weights file, as yours would be, and the flag naming it."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        teacher = small_cnn(SimpleNamespace(task=TaskOptions()), None)
+    torch.save(teacher.state_dict(), folder / "teacher.pt")
+    return ["--teacher", str(folder / "teacher.pt")]
+
+
 ''' + BEFORE_SMALL_CNN),
     ("    outputs = model(inputs).float()\n", "    outputs = model(inputs)\n"
      "    outputs = (outputs[0] if isinstance(outputs, tuple) else outputs).float()  # distilled: the student's\n"),
@@ -373,7 +384,8 @@ def distilled(options: TrainOptions, train_set: Dataset) -> nn.Module:
 '''),
     ('    models={"small_cnn": small_cnn},\n', '    models={"small_cnn": small_cnn, "distilled": distilled},\n'),
     ("    compute_loss=compute_loss,\n", "    compute_loss=compute_loss,\n"
-     "    smoke_test_learning=(30, 0.85),  # half the loss imitates the teacher, a random one in tests/: it falls less\n"),
+     "    smoke_test_learning=(30, 0.85),  # half the loss imitates the teacher: it falls less\n"
+     "    smoke_test_files=teacher_file,\n"),
     (IMAGE_SMOKE_ARGS, IMAGE_SMOKE_ARGS.replace('"small_cnn"', '"distilled"')),
 ]}
 

@@ -16,6 +16,7 @@ import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -125,8 +126,12 @@ class Task:
     loss_couples: str | None = None
     keep_coupled_batch: bool = False
     # What tests/ ask of the tiny run: (steps, ratio): after this many steps the mean loss of the last five is
-    # below ratio x that of the first five. None: the loss need not fall (an adversarial pair's need not).
-    smoke_test_learning: tuple[int, float] | None = (30, 0.7)
+    # below ratio x that of the first five; or (steps, metric, ">" or "<", bound): the run's last evaluation has
+    # summarize's `metric` above or below `bound` (for a loss that need not fall). None: no learning check.
+    smoke_test_learning: tuple | None = (30, 0.7)
+    # Files the tiny run needs, made by tests/ themselves (a tiny base model, for a task that starts from one):
+    # smoke_test_files(folder) writes them into `folder` and returns the flags that name them.
+    smoke_test_files: Callable[[Path], list[str]] | None = None
 
     def __post_init__(self) -> None:
         if (self.compute_loss is None) == (self.training_step is None):
@@ -140,6 +145,11 @@ class Task:
         if self.prepare_data and "data_dir" not in {f.name for f in dataclasses.fields(self.options)}:
             raise TypeError(f"Task(prepare_data=...) downloads into options.task.data_dir: give "
                             f"{self.options.__name__} a data_dir field")
+        learning = self.smoke_test_learning
+        if learning is not None and not (isinstance(learning, tuple) and (
+                len(learning) == 2 or len(learning) == 4 and learning[2] in (">", "<"))):
+            raise TypeError(f"Task(smoke_test_learning={learning!r}): (steps, ratio), (steps, metric, '>' or '<', "
+                            "bound) or None")
         if self.loss_couples not in (None, "micro_batch", "global_batch"):
             raise TypeError(f"Task(loss_couples={self.loss_couples!r}): None, 'micro_batch' or 'global_batch'")
         if self.evaluate_with is not None and self.state is None:
