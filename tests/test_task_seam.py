@@ -601,3 +601,29 @@ def test_a_tasks_batches_go_to_the_ranks_in_turn_and_resume_at_a_whole_batch(bak
     made.append([])
     with pytest.raises(errors.UsageError, match="made an empty batch for epoch 1"):
         one.set_epoch(1)
+
+
+def test_what_an_evaluation_draws_leaves_the_training_runs_generators_as_they_were(baked_module):
+    # A diffusion model's held-out loss draws its noise from torch's generator. The start-up check evaluates one
+    # batch once per launch: had it changed the generator, a resumed run would differ from an uninterrupted one.
+    import dataclasses
+
+    import torch
+    from torch.utils.data import DataLoader
+
+    evaluation, optim, task = baked_module("evaluation"), baked_module("optim"), baked_module("task")
+    drawn = []
+
+    def noisy_sums(model, batch):
+        drawn.append(torch.randn(3))
+        return task.TASK.evaluation_sums(model, batch)
+    noisy = dataclasses.replace(task.TASK, evaluation_sums=noisy_sums)
+    model = task.small_cnn(SimpleNamespace(task=SimpleNamespace(num_classes=10)), None)
+    loader = DataLoader(task.LearnableFakeData(32, 16, 10, seed=0), batch_size=16,
+                        generator=torch.Generator().manual_seed(0))
+    cpu = torch.device("cpu")
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    results = evaluation.evaluate(model, loader, cpu, optim.MixedPrecision("fp32", cpu), noisy, max_batches=1)
+    assert results["samples"] == 16 and len(drawn) == 1
+    assert torch.equal(torch.get_rng_state(), before), "the evaluation's draws changed the training's generator"

@@ -19,9 +19,19 @@ from .spec import Task
 STOP_CHECK_BATCHES = 16
 
 
-@torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, device: torch.device, amp: MixedPrecision, task: Task,
              max_batches: int | None = None, stop: Callable[[], bool] | None = None) -> dict[str, float] | None:
+    """evaluate_on_every_rank, with torch's generators put back as they were after it: what an evaluation draws
+    (noise in a diffusion model's loss, dropout left on) cannot change the training run, whose resume would
+    otherwise differ by the start-up check's draws, made once per launch."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        return evaluate_on_every_rank(model, loader, device, amp, task, max_batches, stop)
+
+
+@torch.no_grad()
+def evaluate_on_every_rank(model: torch.nn.Module, loader, device: torch.device, amp: MixedPrecision, task: Task,
+                           max_batches: int | None = None, stop: Callable[[], bool] | None = None
+                           ) -> dict[str, float] | None:
     """task.summarize(sums, outputs): task.evaluation_sums added up over the held-out split and over ranks (not
     a mean of per-rank means, which is wrong when shards differ in size), and task.evaluation_outputs'
     per-sample rows from every rank, if the task has it. A sum may be a tensor of any shape (a confusion

@@ -15,8 +15,9 @@ compute_loss: see optim.py's Step.)
 Random numbers: torch's generators start from --seed, the same on every rank while the model is built (every
 replica starts equal); then each rank's CPU and CUDA generators get a seed of their own, so torch.randn in a
 loss, or dropout, draws differently on each rank, as for different samples of one batch. Checkpoints hold each
-rank's generators: a resumed run draws the same numbers it would have. A draw every rank must make alike
-(which blocks LayerDrop skips) takes a torch.Generator of its own, seeded from options.seed and step.number.
+rank's generators: a resumed run draws the same numbers it would have. What an evaluation draws (noise in a
+held-out loss) is undone after it, and changes no training draw. A draw every rank must make alike (which
+blocks LayerDrop skips) takes a torch.Generator of its own, seeded from options.seed and step.number.
 {%- if cookiecutter.task == "language_model" %}
 
 Here: a decoder-only transformer (GPT) learns to predict the next token. Text is read as bytes (a vocabulary
