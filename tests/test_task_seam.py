@@ -627,3 +627,12 @@ def test_what_an_evaluation_draws_leaves_the_training_runs_generators_as_they_we
     results = evaluation.evaluate(model, loader, cpu, optim.MixedPrecision("fp32", cpu), noisy, max_batches=1)
     assert results["samples"] == 16 and len(drawn) == 1
     assert torch.equal(torch.get_rng_state(), before), "the evaluation's draws changed the training's generator"
+
+
+def test_a_max_steps_past_the_epochs_says_where_the_run_ends(baked_module, caplog):
+    optim = baked_module("optim")
+    with caplog.at_level("INFO"):
+        assert optim.planned_steps(SimpleNamespace(epochs=10, max_steps=300), 16) == 160
+        assert optim.planned_steps(SimpleNamespace(epochs=10, max_steps=100), 16) == 100
+    assert caplog.messages == ["--max-steps 300 is past --epochs 10 (160 steps of 16 at this world size): the run "
+                               "ends at step 160; raise --epochs for more (the lr schedule spans them)"]

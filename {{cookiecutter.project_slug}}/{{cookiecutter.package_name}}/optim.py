@@ -354,6 +354,10 @@ def planned_steps(options: TrainOptions, steps_per_epoch: int | None, stream_ste
     if steps_per_epoch is None:
         return stream_steps or options.max_steps
     total_steps = options.epochs * steps_per_epoch
+    if options.max_steps is not None and options.max_steps > total_steps:
+        log.info("--max-steps %d is past --epochs %d (%d steps of %d at this world size): the run ends at step %d; "
+                 "raise --epochs for more (the lr schedule spans them)", options.max_steps, options.epochs,
+                 total_steps, steps_per_epoch, total_steps)
     return total_steps if options.max_steps is None else min(total_steps, options.max_steps)
 
 
