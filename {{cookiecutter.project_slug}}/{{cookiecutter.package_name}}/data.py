@@ -140,7 +140,8 @@ class TaskBatches:
         self.make, self.dataset, self.options = make, dataset, options
         self.rank, self.world_size, self.grad_accum = env.rank, env.world_size, options.grad_accum
         self.device, self.epoch, self.start = device, 0, 0
-        self.cached: tuple[int, list[list[int]], list[int]] = (-1, [], [0])  # an epoch's batches, samples before each
+        # An epoch's batches, the samples before each, and a hash of them (compared across ranks and on resume).
+        self.cached: tuple[int, list[list[int]], list[int], str] = (-1, [], [0], "")
         self.saved: dict | None = None  # the checkpoint's (epoch, hash of its batches), until that epoch starts
 
     def batches(self, epoch: int) -> list[list[int]]:
@@ -148,11 +149,13 @@ class TaskBatches:
             batches = [list(batch) for batch in self.make(self.dataset, self.options, epoch)]
             if not all(batches):
                 raise UsageError(f"Task.batches made an empty batch for epoch {epoch}; leave empty ones out")
-            self.cached = (epoch, batches, [0, *itertools.accumulate(map(len, batches))])
+            self.cached = (epoch, batches, [0, *itertools.accumulate(map(len, batches))],
+                           hashlib.sha256(repr(batches).encode()).hexdigest()[:16])
         return self.cached[1]
 
     def digest(self, epoch: int) -> str:
-        return hashlib.sha256(repr(self.batches(epoch)).encode()).hexdigest()[:16]
+        self.batches(epoch)
+        return self.cached[3]
 
     def first_batch(self, epoch: int, samples_in_epoch: int) -> int:
         """The index of the epoch's batch after those holding its first `samples_in_epoch` samples."""
@@ -238,16 +241,17 @@ def build_loaders(train_set: Dataset | StreamedDataset, eval_set: Dataset, optio
     if options.sample_log:
         Path(options.sample_log).mkdir(parents=True, exist_ok=True)
         sample_log = Path(options.sample_log) / f"rank-{env.rank}.txt"
-    common = dict(batch_size=options.batch_size, num_workers=options.num_workers, collate_fn=collate,
-                  pin_memory=device.type == "cuda", persistent_workers=options.num_workers > 0,
-                  worker_init_fn=functools.partial(detach_from_job_signals, training_process=os.getpid()))
+    unbatched = dict(num_workers=options.num_workers, collate_fn=collate, pin_memory=device.type == "cuda",
+                     persistent_workers=options.num_workers > 0,
+                     worker_init_fn=functools.partial(detach_from_job_signals, training_process=os.getpid()))
+    common = dict(batch_size=options.batch_size, **unbatched)  # unbatched: for a batch_sampler (Task.batches)
     # Evaluation shards without padding, so sums and counts over ranks count every sample exactly once. Each
     # loader has a generator of its own: otherwise each new iterator draws a seed from the global RNG, and a
     # resumed run (restored RNG, one more iterator) would continue with other random numbers (dropout masks).
     if batches is not None:  # the task's batches: each rank every world_size-th
         eval_batches = [list(batch) for batch in batches(eval_set, options, 0)][env.rank::env.world_size]
-        eval_loader = DataLoader(eval_set, batch_sampler=eval_batches, generator=torch.Generator().manual_seed(
-            options.seed), **{key: value for key, value in common.items() if key != "batch_size"})
+        eval_loader = DataLoader(eval_set, batch_sampler=eval_batches,
+                                 generator=torch.Generator().manual_seed(options.seed), **unbatched)
     else:
         eval_shard = Subset(eval_set, range(env.rank, len(eval_set), env.world_size))
         eval_loader = DataLoader(eval_shard, shuffle=False, generator=torch.Generator().manual_seed(options.seed),
@@ -272,8 +276,7 @@ def build_loaders(train_set: Dataset | StreamedDataset, eval_set: Dataset, optio
             raise UsageError(f"Task.batches makes {len(task_batches.batches(0))} batches of the training set, fewer "
                              f"than one step takes ({env.world_size} ranks x --grad-accum {options.grad_accum})")
         return TaskBatchLoader(seeded, batch_sampler=task_batches, generator=torch.Generator().manual_seed(
-            options.seed), **{key: value for key, value in common.items() if key != "batch_size"},
-            **read_ahead), eval_loader
+            options.seed), **unbatched, **read_ahead), eval_loader
     train_set = seeded
     sampler = ResumableDistributedSampler(train_set, env.world_size, env.rank, seed=options.seed,
                                           rank_samples_per_step=options.batch_size * options.grad_accum)
