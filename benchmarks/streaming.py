@@ -97,7 +97,7 @@ def main() -> None:
     options = parser.parse_args()
     work = scratch_dir("ddp-bench-stream-")  # removed at exit
     project = Path(cookiecutter(str(TEMPLATE_ROOT), no_input=True, output_dir=str(work),
-                                extra_context={"task": "language_model"}))
+                                extra_context={"task": "language_model", "use_streaming": "yes"}))
     small, tokens = write_jsonl(work / "small", options.small_mb), write_tokens(work / "tokens", options.small_mb)
     steps = ["--max-steps", str(options.steps)]
     sides = {

@@ -12,7 +12,8 @@ EXECUTABLES = ["run_node.sh", "train.py", "slurm/train.sbatch"]
 # existing project must keep the user's own files in slurm/ (issue 14).
 OPTIONAL_FILES = {"slurm/train.sbatch": "use_slurm", "k8s/pytorchjob.yaml": "use_kubernetes",
                   "PACKAGE/preflight.py": "use_preflight", "PACKAGE/profiling.py": "use_profiling",
-                  "PACKAGE/export.py": "use_export", "docs/export.md": "use_export", "PACKAGE/trackers.py": "use_trackers"}
+                  "PACKAGE/export.py": "use_export", "docs/export.md": "use_export", "PACKAGE/trackers.py": "use_trackers",
+                  "PACKAGE/engine/streaming.py": "use_streaming", "docs/streaming.md": "use_streaming"}
 # Examples whose diffs edit the image task's task.py, kept only in its bakes.
 IMAGE_TASK_EXAMPLES = ["regression", "dict-batches", "whole-set-metric", "gan", "distillation", "two-optimizers",
                        "ema", "contrastive", "mixture-of-experts"]

@@ -95,6 +95,7 @@ CHECKS = {
     "use_profiling": lambda value: None if value in ("yes", "no") else f"{value!r} must be yes or no",
     "use_export": lambda value: None if value in ("yes", "no") else f"{value!r} must be yes or no",
     "use_trackers": lambda value: None if value in ("yes", "no") else f"{value!r} must be yes or no",
+    "use_streaming": lambda value: None if value in ("yes", "no") else f"{value!r} must be yes or no",
     "strategy": lambda value: None if value in ("ddp", "fsdp2") else f"{value!r} must be ddp or fsdp2",
     "task": lambda value: (None if value in ("image_classification", "language_model")
                            else f"{value!r} must be image_classification or language_model"),

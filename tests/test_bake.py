@@ -32,7 +32,7 @@ DEFAULT_FILES = {
     "run_node.sh", "train.py",
     "slurm/train.sbatch",
     *(f"docs/{name}.md" for name in ("containers-and-schedulers", "experiments", "export", "failures", "monitoring",
-                                     "performance", "several-machines", "streaming")),
+                                     "performance", "several-machines")),
     *(f"examples/{name}/{file}" for name in ("regression", "dict-batches", "whole-set-metric", "gan", "distillation",
                                              "two-optimizers", "ema", "loss-weight", "contrastive",
                                              "mixture-of-experts")
@@ -45,7 +45,7 @@ DEFAULT_FILES = {
     *(f"ddp_training/engine/{name}.py" for name in
       ("__init__", "checkpoint/__init__", "checkpoint/common", "checkpoint/replicated", "checkpoint/sharded",
        "checkpoint/folder", "collectives", "distributed", "errors", "failure", "flags", "optimizers", "processes",
-       "replicas", "reproducibility", "streaming", "watchdog")),
+       "replicas", "reproducibility", "watchdog")),
 }
 
 # Every value class each answer admits; each is baked and checked.
@@ -61,6 +61,19 @@ def test_the_examples_diffs_match_the_code_they_edit():
     # regenerated from the template's sources by tools/example_diffs.py, which this runs in --check mode.
     result = run([sys.executable, "tools/example_diffs.py", "--check"], cwd=TEMPLATE_ROOT, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_examples_apply_and_lint_in_a_bake_with_streamed_training_sets_too(bake, tmp_path):
+    # Its task.py has more imports and datasets, so each change.diff holds a second diff, made on its code.
+    project = bake(use_streaming="yes", project_name="Streamed Examples")
+    examples = sorted((project / "examples").iterdir())
+    assert len(examples) == len(POST_GEN.IMAGE_TASK_EXAMPLES) + 1  # + loss-weight, which edits train.py
+    for example in examples:
+        copy = shutil.copytree(project, tmp_path / example.name, ignore=shutil.ignore_patterns("examples"))
+        patched = run(["patch", "-p1", "-i", str(example / "change.diff")], cwd=copy)
+        assert patched.returncode == 0, (example.name, patched.stdout + patched.stderr)
+        lint = run(["ruff", "check", "--no-cache", "."], cwd=copy)
+        assert lint.returncode == 0, (example.name, lint.stdout)
 
 
 def test_template_top_level_is_the_cards_layout():
@@ -170,8 +183,8 @@ def test_recorded_answers_are_every_answer_given(default_project):
         "project_name": "DDP Training", "project_slug": "ddp-training", "package_name": "ddp_training",
         "author": "Your Name", "nnodes": "1", "nproc_per_node": "auto", "rdzv_port": "29400", "max_restarts": "3",
         "gpus_per_node": "8", "use_slurm": "yes", "use_kubernetes": "no", "use_preflight": "yes",
-        "use_profiling": "yes", "use_export": "yes", "use_trackers": "yes", "strategy": "ddp",
-        "task": "image_classification"}
+        "use_profiling": "yes", "use_export": "yes", "use_trackers": "yes", "use_streaming": "no",
+        "strategy": "ddp", "task": "image_classification"}
 
 
 POST_GEN = import_hook("post_gen_project")
@@ -266,7 +279,7 @@ def test_only_task_py_and_the_docs_differ_between_the_tasks(bake):
     # pyproject.toml and the Dockerfile: torchvision, which only the image task needs. The docs: the task's
     # throughput unit and its exported model's options.
     assert differing == {"ddp_training/task.py", "README.md", "docs/export.md", "docs/monitoring.md",
-                         "docs/streaming.md", ".cookiecutter.json", "pyproject.toml", "Dockerfile"}, differing
+                         ".cookiecutter.json", "pyproject.toml", "Dockerfile"}, differing
 
 
 def test_generated_code_cites_no_template_issue_or_folder(bake):

@@ -84,7 +84,12 @@ def tokenizer(corpus) -> Path:
 
 @pytest.fixture(scope="module")
 def stream_project(bake) -> Path:
-    return bake(task="language_model", project_name="Streamed LM")
+    return bake(task="language_model", project_name="Streamed LM", use_streaming="yes")
+
+
+@pytest.fixture(scope="session")
+def image_stream_project(bake) -> Path:
+    return bake(project_name="Streamed Images", use_streaming="yes")
 
 
 def stream_args(corpus: Path, **options: object) -> list[str]:
@@ -331,7 +336,7 @@ def write_shard(path: Path, count: int, seed: int) -> None:
 
 
 @pytest.mark.slow
-def test_image_tar_shards_stream_with_random_augmentation_and_resume_bitwise_after_kill_9(default_project,
+def test_image_tar_shards_stream_with_random_augmentation_and_resume_bitwise_after_kill_9(image_stream_project,
                                                                                         tmp_path):
     shards = tmp_path / "shards"
     shards.mkdir()
@@ -341,21 +346,22 @@ def test_image_tar_shards_stream_with_random_augmentation_and_resume_bitwise_aft
     args = flags(data="shards", data_files=shards / "*.tar", eval_files=tmp_path / "val.tar", model="small_cnn",
                  num_classes=2, image_size=16, batch_size=8, num_workers=1, device="cpu", max_steps=24,
                  ckpt_every=4, keep_checkpoints=100, log_every=4)
-    reference = run_job(default_project, [*args, "--ckpt-dir", str(tmp_path / "reference")])
+    reference = run_job(image_stream_project, [*args, "--ckpt-dir", str(tmp_path / "reference")])
     assert reference.returncode == 0, reference.stderr[-4000:]
     epochs = [int(epoch) for epoch in re.findall(r"step \d+ \| epoch (\d+) \| loss", reference.stderr)]
     assert epochs[0] == 0 and epochs[-1] >= 2, reference.stderr  # several epochs, each dealt anew
     accuracy = re.findall(r"step 24 \| epoch \d+ \| eval loss [\d.]+ \| accuracy ([\d.]+) on 20 held-out",
                           reference.stderr)
     assert accuracy and float(accuracy[0]) >= 0.9, reference.stderr[-3000:]
-    killed = start_job(default_project, [*args, "--ckpt-dir", str(tmp_path / "killed")], max_restarts=1)
+    killed = start_job(image_stream_project, [*args, "--ckpt-dir", str(tmp_path / "killed")], max_restarts=1)
     # At step 8 each rank's stream is into its second shard: the first is not read again on resume.
     kill_a_worker_and_finish(killed, tmp_path / "killed" / "step-8.pt")
     assert_bitwise_equal(checkpoint(tmp_path / "killed", 24), checkpoint(tmp_path / "reference", 24))
 
 
-def test_bad_image_shards_are_one_line(default_project, baked_train, tmp_path, capsys, monkeypatch):
-    monkeypatch.chdir(default_project)
+def test_bad_image_shards_are_one_line(image_stream_project, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(image_stream_project)
+    train = stream_train(image_stream_project)
     with tarfile.open(tmp_path / "no-labels.tar", "w") as tar:
         member = tarfile.TarInfo("a/0001.png")
         member.size = 3
@@ -370,6 +376,6 @@ def test_bad_image_shards_are_one_line(default_project, baked_train, tmp_path, c
     for data_files, expected in cases:
         args = flags(data="shards", data_files=data_files, max_steps=10, eval_every=0, device="cpu",
                      ckpt_dir=tmp_path / "ckpt")
-        result = main_in_this_process(baked_train, args, capsys)
+        result = main_in_this_process(train, args, capsys)
         errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
         assert result.returncode == 1 and len(errors) == 1 and errors[0].startswith(expected), (expected, result.stderr)

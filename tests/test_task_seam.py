@@ -52,7 +52,7 @@ def test_the_regression_example_is_the_whole_change(bake, tmp_path):
     # In the smallest bake: every optional part answered no, whose project still lints, trains and passes its tests.
     project = bake(project_name="House Prices", use_slurm="no", use_kubernetes="no", use_preflight="no",
                    use_profiling="no", use_export="no", use_trackers="no")
-    left_out = ("preflight", "profiling", "export", "trackers")
+    left_out = ("preflight", "profiling", "export", "trackers", "engine/streaming")
     assert not any((project / "house_prices" / f"{name}.py").exists() for name in left_out)
     patched = run(["patch", "-p1", "-i", "examples/regression/change.diff"], cwd=project)
     assert patched.returncode == 0, patched.stdout + patched.stderr
@@ -80,7 +80,7 @@ def test_an_unknown_name_says_which_file_and_function_to_edit(default_project, t
     result = run(["python", "train.py", "--data", "csv", "--ckpt-dir", str(tmp_path)], cwd=default_project)
     assert result.returncode == 1
     assert result.stderr.splitlines() == [
-        "error: --data 'csv' is not in the task's datasets; known: cifar10, fake, imagefolder, shards. To add it, "
+        "error: --data 'csv' is not in the task's datasets; known: cifar10, fake, imagefolder. To add it, "
         "write a builder and add 'csv': <builder> to TASK's datasets in ddp_training/task.py"], result.stderr
 
 

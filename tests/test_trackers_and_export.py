@@ -209,9 +209,8 @@ def test_exported_safetensors_load_back_bitwise_as_the_readme_shows(default_proj
     for written in (uninterrupted_bare / "step-40.pt", *(tmp_path / f"model.{end}" for end in ("pt", "safetensors"))):
         assert oct(written.stat().st_mode & 0o777) == oct(0o666 & ~umask), written
     saved = json.loads((tmp_path / "model.json").read_text())
-    assert saved == {"step": 40, "task": {"data": "fake", "data_dir": "data", "data_files": "", "eval_files": "",
-                                          "fake_samples": 512, "model": "small_cnn", "image_size": 16,
-                                          "num_classes": 10}}
+    assert saved == {"step": 40, "task": {"data": "fake", "data_dir": "data", "fake_samples": 512,
+                                          "model": "small_cnn", "image_size": 16, "num_classes": 10}}
     # The README's lines, run as they are in the folder the export wrote.
     monkeypatch.chdir(tmp_path)
     namespace = {}

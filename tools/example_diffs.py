@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -23,11 +24,14 @@ from cookiecutter.main import cookiecutter
 TEMPLATE = Path(__file__).resolve().parents[1]
 EXAMPLES = TEMPLATE / "{{cookiecutter.project_slug}}" / "examples"
 PACKAGE = "ddp_training"  # the default bake's package name, written back as the Jinja variable
+STREAMING = '{% if cookiecutter.use_streaming == "yes" %}'  # a bake with streamed training sets: its own diffs
+STREAMED_FROM, STREAMED_TO = '"imagefolder": image_folder', '"imagefolder": image_folder, "shards": image_shards'
+FUTURE = "from __future__ import annotations\n\n"  # an import added below it is sorted into place by ruff
 
 IMAGE_SMOKE_ARGS = '''    smoke_test_args=["--data", "fake", "--fake-samples", "512", "--image-size", "16", "--batch-size", "16",
                      "--model", "small_cnn", "--num-workers", "0", "--device", "cpu", "--lr", "0.005"],
 '''
-IMAGE_TABLES = '''    datasets={"fake": fake_images, "cifar10": cifar10, "imagefolder": image_folder, "shards": image_shards},
+IMAGE_TABLES = '''    datasets={"fake": fake_images, "cifar10": cifar10, "imagefolder": image_folder},
     models={"small_cnn": small_cnn},
 '''
 BEFORE_FAKE_IMAGES = "\n\ndef fake_images(options: TrainOptions) -> tuple[Dataset, Dataset]:\n"
@@ -92,7 +96,7 @@ def fake_table(options: TrainOptions) -> tuple[Dataset, Dataset]:
     return {"loss": sums["loss"] / count, "mean_absolute_error": sums["absolute_error"] / count,
             "samples": int(count)}
 '''),
-    (IMAGE_TABLES, '''    datasets={"fake": fake_images, "cifar10": cifar10, "imagefolder": image_folder, "shards": image_shards,
+    (IMAGE_TABLES, '''    datasets={"fake": fake_images, "cifar10": cifar10, "imagefolder": image_folder,
               "csv": csv_tables, "fake_table": fake_table},
     models={"small_cnn": small_cnn, "mlp": mlp},
 '''),
@@ -201,7 +205,7 @@ def units_in_batch(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Throughput counts the words, not the padding."""
     return batch["attention_mask"].sum()
 '''),
-    (IMAGE_TABLES, '''    datasets={"fake": fake_images, "cifar10": cifar10, "imagefolder": image_folder, "shards": image_shards,
+    (IMAGE_TABLES, '''    datasets={"fake": fake_images, "cifar10": cifar10, "imagefolder": image_folder,
               "tagged": tagged},
     models={"small_cnn": small_cnn, "tagger": tagger},
     collate=collate,
@@ -215,7 +219,7 @@ def units_in_batch(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 ]}
 
 AUC = {"PACKAGE/task.py": [
-    ("import io\n", "import io\nimport math\n"),
+    (FUTURE, FUTURE + "import math\n"),
     ('''            "samples": torch.tensor(targets.numel())}
 ''', '''            "samples": torch.tensor(targets.numel())}
 
@@ -429,7 +433,7 @@ LOSS_WEIGHT = {
 }
 
 CONTRASTIVE = {"PACKAGE/task.py": [
-    ("import functools\nimport io\n", "import functools\nimport io\nimport math\n"),
+    (FUTURE, FUTURE + "import math\n"),
     ("import torch\nimport torch.nn.functional as F\n", "import torch\nimport torch.distributed as dist\nimport torch.nn.functional as F\n"),
     (BEFORE_SMALL_CNN, '''class Contrastive(nn.Module):
     """An encoder trained to match each image's two views against every other image of the global batch (SimCLR's
@@ -554,7 +558,15 @@ RECIPES = {"regression": REGRESSION, "dict-batches": TAGGER, "whole-set-metric":
            "mixture-of-experts": MIXTURE}
 
 
-def diff_of(project: Path, recipe: dict[str, list[tuple[str, str]]]) -> str:
+def sorted_imports(project: Path, relative: str, text: str) -> str:
+    """`text` with its imports in the order the project's ruff (isort) wants, as a user's editor would put them."""
+    ruff = Path(sys.executable).parent / "ruff"
+    result = subprocess.run([str(ruff), "check", "--select", "I", "--fix", "--quiet", "--stdin-filename", relative,
+                             "-"], input=text, cwd=project, capture_output=True, text=True, check=False)
+    return result.stdout if result.stdout else text
+
+
+def diff_of(project: Path, recipe: dict[str, list[tuple[str, str]]], streaming: bool) -> str:
     parts = []
     for relative, edits in recipe.items():
         relative = relative.replace("PACKAGE", PACKAGE)
@@ -562,12 +574,16 @@ def diff_of(project: Path, recipe: dict[str, list[tuple[str, str]]]) -> str:
         after = before
         for old, new in edits:
             old, new = old.replace("PACKAGE", PACKAGE), new.replace("PACKAGE", PACKAGE)
+            if streaming:  # the image task's table of datasets there has one more
+                old, new = (text.replace(STREAMED_FROM, STREAMED_TO) for text in (old, new))
             if old == "END":
                 after += new
                 continue
             if after.count(old) != 1:
                 sys.exit(f"{relative}: the recipe's line(s) {old.splitlines()[0]!r} occur {after.count(old)} times")
             after = after.replace(old, new)
+        if relative.endswith(".py"):
+            after = sorted_imports(project, relative, after)
         lines = difflib.unified_diff(before.splitlines(keepends=True), after.splitlines(keepends=True),
                                      f"a/{relative}", f"b/{relative}", n=3)
         parts.append("".join(lines))
@@ -578,9 +594,16 @@ def diff_of(project: Path, recipe: dict[str, list[tuple[str, str]]]) -> str:
 
 def main(check: bool = "--check" in sys.argv) -> None:
     """Write the diffs; with --check, only say whether the examples hold them already (exit 1 if not)."""
+    diffs = {}
     with tempfile.TemporaryDirectory() as folder:
-        project = Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=folder))
-        diffs = {name: diff_of(project, recipe) for name, recipe in RECIPES.items()}
+        for streaming in (False, True):
+            project = Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=f"{folder}/{streaming}",
+                                        extra_context={"use_streaming": "yes" if streaming else "no"}))
+            for name, recipe in RECIPES.items():
+                diffs.setdefault(name, []).append(diff_of(project, recipe, streaming))
+    # One file for both bakes, rendered by cookiecutter: the diff made on the bake's own code.
+    diffs = {name: plain if plain == streamed else f"{STREAMING}{streamed}{{% else %}}{plain}{{% endif %}}"
+             for name, (plain, streamed) in diffs.items()}
     written = {name: path.read_text() if (path := EXAMPLES / name / "change.diff").exists() else None
                for name in diffs}
     stale = [name for name, diff in diffs.items() if written[name] != diff]

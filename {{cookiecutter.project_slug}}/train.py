@@ -87,12 +87,16 @@ class TrainingProgress:
         self.step += 1
         self.samples_in_epoch += samples
         self.samples_seen += samples
-
+{% if cookiecutter.use_streaming == "yes" %}
     def finished(self, epochs: int, max_steps: int | None, max_samples: int | None) -> bool:
         """After --epochs, or --max-steps steps; a stream after `max_samples` (its --max-steps counted at the world
         size it started with, so that a resize ends it where its lr schedule ends)."""
         if max_samples is not None:
             return self.epoch >= epochs or self.samples_seen >= max_samples
+{%- else %}
+    def finished(self, epochs: int, max_steps: int | None) -> bool:
+        """After --epochs, or --max-steps steps."""
+{%- endif %}
         return self.epoch >= epochs or (max_steps is not None and self.step >= max_steps)
 
     def next_epoch(self, eval_every: int) -> None:
@@ -147,14 +151,14 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     training_step = task.training_step or loss_step
     # The task's own state beside the model (an EMA, say): updated by task.after_step, saved with the rest.
     task_state = task.build_state(model, options, taken={"model", "optimizer", "lr_schedule", "grad_scaler",
-                                                         "selection", "stream_position", "batches_position"})
+                                                         "selection", {% if cookiecutter.use_streaming == "yes" %}"stream_position", {% endif %}"batches_position"})
     step = Step(networks, model, optimizers, amp, options, nonfinite, update, task_state)  # training_step's
     optimizer = step.optimizer  # every optimizer as one: scaled by the lr schedule, saved by checkpoints
     step_batches = []  # the micro-batches of the next step
     # Over samples seen, not steps: a job resumed on another number of ranks continues the same curve.
     lr_schedule = LearningRateSchedule(optimizer, options, train_loader.samples_per_epoch,
                                        train_loader.samples_per_step)  # all ranks' (with Task.batches, a mean)
-    # Where the training set stands beyond a count of samples (a stream's position, the task's batches): saved.
+    # Where the training set stands beyond a count of samples ({% if cookiecutter.use_streaming == "yes" %}a stream's position, {% endif %}the task's batches): saved.
     position = {train_loader.position_entry: train_loader} if train_loader.position_entry else {}
     # --keep-best, --early-stop-patience: the best evaluation so far, and how many came after it.
     selection = ModelSelection(options.selection, options.checkpoint.ckpt_dir, env)
@@ -166,8 +170,10 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     # What --grad-accum and a resize do to a loss that couples a batch's samples (contrastive, BatchNorm).
     check_coupled_batch(task.loss_couples, task.keep_coupled_batch, model, options, env.world_size,
                         checkpointer.resumed_from, own_batches=task.batches is not None)
+{%- if cookiecutter.use_streaming == "yes" %}
     # A stream's run is a number of samples (--max-steps steps of its first world size), which a resize keeps.
     max_samples = lr_schedule.stream_samples  # None for a map-style set: --epochs, or --max-steps steps
+{%- endif %}
 {%- if cookiecutter.use_profiling == "yes" %}
     profiler = StepProfiler(options.profiling, options.logging.log_dir, env, device, watchdog)  # --profile-steps
     profiler.before_step(progress.step + 1)
@@ -176,8 +182,12 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     if options.eval_every:  # one held-out batch now, so a bug in the evaluation path shows before training
         with watchdog.slow_phase("checking evaluation on one batch"):
             selection.check_metric(evaluate(model, eval_loader, device, amp, task, max_batches=1))
+{%- if cookiecutter.use_streaming == "yes" %}
     planned = planned_steps(options, train_loader.steps_per_epoch,
                             lr_schedule.stream_steps(progress.step, progress.samples_seen))
+{%- else %}
+    planned = planned_steps(options, train_loader.steps_per_epoch)
+{%- endif %}
     meter = build_meter(options, env, device, planned, done_steps=progress.step, unit=task.throughput_unit,
                         flops_per_unit=task.model_flops_per_unit(model, options),
                         changed_options=checkpointer.changed_options)
@@ -198,7 +208,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
                     with watchdog.slow_phase("saving the best checkpoint"):
                         checkpointer.save(progress, wait=True)
                     selection.write_record()
-        if stop_requested or progress.finished(options.epochs, options.max_steps, max_samples) \
+        if stop_requested or progress.finished(options.epochs, options.max_steps{% if cookiecutter.use_streaming == "yes" %}, max_samples{% endif %}) \
                 or selection.out_of_patience():
             break  # the loop's one exit
         train_loader.start_epoch(progress.epoch, progress.samples_in_epoch)  # mid-epoch: at the next unseen sample
@@ -227,7 +237,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
             if progress.step == first_step and check_replicas_match(model, progress.step, step.without_gradient):
                 log.info("step %d: every rank holds the same parameters", progress.step)  # again at each save
             stop_requested = stop.agreed(watchdog.sigterm_received)  # SIGTERM reached some rank: same step on all
-            if stop_requested or progress.finished(options.epochs, options.max_steps, max_samples):
+            if stop_requested or progress.finished(options.epochs, options.max_steps{% if cookiecutter.use_streaming == "yes" %}, max_samples{% endif %}):
                 break  # saved below
             if progress.step % options.checkpoint.ckpt_every == 0:
                 with watchdog.slow_phase("saving a checkpoint"):
@@ -235,7 +245,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
         else:  # the epoch ran to its end
             progress.next_epoch(options.eval_every)  # its evaluation is due, every --eval-every epochs
             stop_requested = stop.agreed_now(watchdog.sigterm_received)  # not after a long evaluation
-        finished = progress.finished(options.epochs, options.max_steps, max_samples)
+        finished = progress.finished(options.epochs, options.max_steps{% if cookiecutter.use_streaming == "yes" %}, max_samples{% endif %})
         if finished or stop_requested:
             progress.evaluation_due |= finished and options.eval_every > 0  # the run's end, mid-epoch or not
             with watchdog.slow_phase("saving a checkpoint"):

@@ -1,6 +1,6 @@
 """Loaders for any task's datasets (task.py builds them): a map-style training set sharded across ranks by a
-resumable sampler, with per-sample seeded augmentation, or a streamed one (streaming.py); batches moved to the
-device."""
+resumable sampler, with per-sample seeded augmentation{% if cookiecutter.use_streaming == "yes" %}, or a streamed one (streaming.py){% endif %};
+batches moved to the device."""
 
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ from .engine.collectives import same_on_every_rank
 from .engine.distributed import DistEnv
 from .engine.errors import UsageError
 from .engine.processes import detach_from_job_signals, start_forkserver_deaf_to_sigterm
+{%- if cookiecutter.use_streaming == "yes" %}
 from .engine.streaming import StreamedDataset, StreamLoader, require_max_steps
+{%- endif %}
 from .options import TrainOptions
 
 
@@ -104,7 +106,7 @@ class ResumableDistributedSampler(DistributedSampler):
 
 
 class ShardedLoader(DataLoader):
-    """The training DataLoader of a map-style set; like StreamLoader, it knows where an epoch starts."""
+    """The training DataLoader of a map-style set: it knows where an epoch starts."""
 
     position_entry = None  # its position is TrainingProgress's sample count: nothing more to save
 
@@ -228,11 +230,11 @@ class TaskBatchLoader(DataLoader):
         return self.batch_sampler.samples_in_step(samples_in_epoch)
 
 
-def build_loaders(train_set: Dataset | StreamedDataset, eval_set: Dataset, options: TrainOptions, env: DistEnv,
+def build_loaders(train_set: Dataset{% if cookiecutter.use_streaming == "yes" %} | StreamedDataset{% endif %}, eval_set: Dataset, options: TrainOptions, env: DistEnv,
                   device: torch.device, collate: Callable[[list], Any],
                   batches: Callable[[Dataset, TrainOptions, int], list[list[int]]] | None = None,
-                  ) -> tuple[ShardedLoader | TaskBatchLoader | StreamLoader, DataLoader]:
-    """The training loader (resumable sharding, per-sample seeds; or a stream's) and the held-out one (each
+                  ) -> tuple[ShardedLoader | TaskBatchLoader{% if cookiecutter.use_streaming == "yes" %} | StreamLoader{% endif %}, DataLoader]:
+    """The training loader (resumable sharding, per-sample seeds{% if cookiecutter.use_streaming == "yes" %}; or a stream's{% endif %}) and the held-out one (each
     rank a disjoint shard, no padding); `collate` (task.py's) makes a list of samples one batch. `batches`
     (Task.batches): the task's own, for both."""
     if options.num_workers:
@@ -256,6 +258,7 @@ def build_loaders(train_set: Dataset | StreamedDataset, eval_set: Dataset, optio
         eval_shard = Subset(eval_set, range(env.rank, len(eval_set), env.world_size))
         eval_loader = DataLoader(eval_shard, shuffle=False, generator=torch.Generator().manual_seed(options.seed),
                                  **common)
+{%- if cookiecutter.use_streaming == "yes" %}
     if isinstance(train_set, StreamedDataset):
         if batches is not None:
             raise UsageError("Task.batches makes batches of a map-style training set; a streamed one is batched by "
@@ -265,6 +268,7 @@ def build_loaders(train_set: Dataset | StreamedDataset, eval_set: Dataset, optio
                             num_workers=options.num_workers, seed=options.seed, collate=collate,
                             pin_memory=common["pin_memory"], worker_init_fn=common["worker_init_fn"],
                             sample_log=sample_log), eval_loader
+{%- endif %}
     seeded = SeededSampleDataset(train_set, options.seed)
     if sample_log is not None:
         seeded = SampleLoggingDataset(seeded, sample_log)

@@ -347,12 +347,16 @@ def check_coupled_batch(couples: str | None, keep: bool, model: torch.nn.Module,
         raise UsageError(f"{line} (Task.keep_coupled_batch)")
     log.warning("%s", line)
 
-
+{% if cookiecutter.use_streaming == "yes" %}
 def planned_steps(options: TrainOptions, steps_per_epoch: int | None, stream_steps: int | None = None) -> int:
     """Optimizer steps this run will take at this world size: --epochs worth, or --max-steps if that comes first
     (a streamed training set's epoch has no length known before it is read: `stream_steps`, the schedule's)."""
     if steps_per_epoch is None:
         return stream_steps or options.max_steps
+{%- else %}
+def planned_steps(options: TrainOptions, steps_per_epoch: int) -> int:
+    """Optimizer steps this run will take at this world size: --epochs worth, or --max-steps if that comes first."""
+{%- endif %}
     total_steps = options.epochs * steps_per_epoch
     if options.max_steps is not None and options.max_steps > total_steps:
         log.info("--max-steps %d is past --epochs %d (%d steps of %d at this world size): the run ends at step %d; "
@@ -370,11 +374,13 @@ class LearningRateSchedule:
     cosine reaches 0 halfway through. Here the lr of every step is the schedule's value at the middle of that
     step's samples, the same at any world size. The decay spans --epochs; --max-steps only stops early, so
     a run stopped by it and restarted with a larger one continues the same curve.
+{%- if cookiecutter.use_streaming == "yes" %}
 
     A streamed training set's epoch has no length known before it is read: there the decay, and the run
     (stream_samples), span --max-steps steps of the world size the run started with, saved as samples: a resize
     changes the number of steps left, not where the run ends or the lr at any sample count. A changed
     --max-steps re-plans both, still in steps of the first world size.
+{%- endif %}
 
     Taking a step's middle, neither the first update (warmup starts at 0) nor the last (cosine ends at 0) is
     wasted at lr 0.
@@ -383,8 +389,8 @@ class LearningRateSchedule:
     started with; a resume on another one keeps the warmup it started, unless --warmup-steps itself changed.
     The peak lr is not restored: it is what task.py's optimizer was built with in this run (--lr)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, options: TrainOptions, samples_per_epoch: int | None,
-                 samples_per_step: int):
+    def __init__(self, optimizer: torch.optim.Optimizer, options: TrainOptions,
+                 samples_per_epoch: int{% if cookiecutter.use_streaming == "yes" %} | None{% endif %}, samples_per_step: int):
         self.optimizer = optimizer
         self.peaks = [group["lr"] for group in optimizer.param_groups]
         self.logged_peak = options.lr  # the lr logged is --lr on the schedule, whatever each group's own is
@@ -393,13 +399,18 @@ class LearningRateSchedule:
                      "(what build_optimizer gave them), each on the same schedule", options.lr, len(self.peaks),
                      min(self.peaks), max(self.peaks))
         self.decay = options.lr_schedule
+{%- if cookiecutter.use_streaming == "yes" %}
         self.spans_steps = None if samples_per_epoch is not None else options.max_steps
         self.samples_per_step = samples_per_step
         self.total_samples = (options.epochs * samples_per_epoch if samples_per_epoch is not None
                               else options.max_steps * samples_per_step)
+{%- else %}
+        self.total_samples = options.epochs * samples_per_epoch
+{%- endif %}
         self.warmup_steps = options.warmup_steps
         self.warmup_samples = (self.total_samples // 20 if options.warmup_steps is None
                                else options.warmup_steps * samples_per_step)
+{%- if cookiecutter.use_streaming == "yes" %}
 
     @property
     def stream_samples(self) -> int | None:
@@ -411,6 +422,7 @@ class LearningRateSchedule:
         if self.spans_steps is None:
             return None
         return steps_done + max(math.ceil((self.total_samples - samples_seen) / self.samples_per_step), 0)
+{%- endif %}
 
     def set_lr(self, samples_seen: float) -> float:
         """Set every param group's lr to the schedule's at `samples_seen` samples (a step's middle); returns --lr's
@@ -421,14 +433,19 @@ class LearningRateSchedule:
         return self.logged_peak * multiplier
 
     def state_dict(self) -> dict:
+{%- if cookiecutter.use_streaming == "yes" %}
         state = {"warmup_steps": self.warmup_steps, "warmup_samples": self.warmup_samples}
         if self.spans_steps is not None:  # a stream's: --max-steps, in samples
             state |= {"spans_steps": self.spans_steps, "total_samples": self.total_samples}
         return state
+{%- else %}
+        return {"warmup_steps": self.warmup_steps, "warmup_samples": self.warmup_samples}
+{%- endif %}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("warmup_steps", "not saved") == self.warmup_steps:
             self.warmup_samples = state["warmup_samples"]
+{%- if cookiecutter.use_streaming == "yes" %}
         if self.spans_steps is not None and "spans_steps" in state:
             first_step = state["total_samples"] // state["spans_steps"]  # samples a step when the run started
             self.total_samples = self.spans_steps * first_step
@@ -436,3 +453,4 @@ class LearningRateSchedule:
                 log.info("this stream's run is --max-steps %d steps of %d samples (its first world size's): it "
                          "ends once %d samples are trained, %d a step now", self.spans_steps, first_step,
                          self.total_samples, self.samples_per_step)
+{%- endif %}

@@ -142,8 +142,10 @@ class TrainOptions:
         "about a third more compute; non-reentrant, so dropout draws the same masks again")
     sample_log: str | None = option(
         None, "audit the data order: append each training-sample index this rank loads to "
-        "SAMPLE_LOG/rank-<RANK>.txt (with --num-workers 0, exactly the samples trained on); for a streamed "
-        "training set, epoch:piece:index of each sample trained on")
+        "SAMPLE_LOG/rank-<RANK>.txt (with --num-workers 0, exactly the samples trained on)
+{%- if cookiecutter.use_streaming == "yes" %}; for a streamed "
+        "training set, epoch:piece:index of each sample trained on
+{%- endif %}")
     # The options of each concern, read by the module of that concern alone: options.checkpoint.ckpt_every.
     checkpoint: CheckpointOptions = group(CheckpointOptions, "checkpoints")
     watchdog: WatchdogOptions = group(WatchdogOptions, "progress and hangs")

@@ -22,17 +22,21 @@ blocks LayerDrop skips) takes a torch.Generator of its own, seeded from options.
 
 Here: a decoder-only transformer (GPT) learns to predict the next token. Text is read as bytes (a vocabulary
 of 256, nothing to download); for large corpora, tokenize once into nanoGPT's format, uint16 token ids in
---data-dir/train.bin and val.bin, and train with --data tokens; or stream the raw text of jsonl, text or
-parquet shards with --data stream --data-files 'corpus/*.jsonl', tokenized as it is read.
+--data-dir/train.bin and val.bin, and train with --data tokens
+{%- if cookiecutter.use_streaming == "yes" %}; or stream the raw text of jsonl, text or
+parquet shards with --data stream --data-files 'corpus/*.jsonl', tokenized as it is read
+{%- endif %}.
 {%- endif %}
 """
 
 {% if cookiecutter.task == "image_classification" -%}
 from __future__ import annotations
 
+{% if cookiecutter.use_streaming == "yes" -%}
 import functools
 import io
 from collections.abc import Iterator
+{% endif -%}
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +46,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from .engine.errors import UsageError
+{%- if cookiecutter.use_streaming == "yes" %}
 from .engine.streaming import (
     StreamedDataset,
     check_first_records,
@@ -50,6 +55,7 @@ from .engine.streaming import (
     require_max_steps,
     tar_samples,
 )
+{%- endif %}
 from .optim import Step
 from .options import TrainOptions, option
 from .spec import Task
@@ -63,13 +69,17 @@ class TaskOptions:
 
     data: str = option(
         "fake", "a dataset in task.py's TASK: fake (generated, learnable), cifar10 (downloaded to "
-        "--data-dir), imagefolder (--data-dir/train/<class>/*.jpg and --data-dir/val/<class>/*.jpg), shards "
-        "(tar files of --data-files, read as a stream)")
+        "--data-dir), imagefolder (--data-dir/train/<class>/*.jpg and --data-dir/val/<class>/*.jpg)
+{%- if cookiecutter.use_streaming == "yes" %}, shards "
+        "(tar files of --data-files, read as a stream)
+{%- endif %}")
     data_dir: str = option("data", "where cifar10 is downloaded, or the imagefolder root")
+{%- if cookiecutter.use_streaming == "yes" %}
     data_files: str = option(
         "", "for --data shards: a glob of tar shards in WebDataset's layout (quoted): <key>.jpg or .png and "
         "<key>.cls (the class number) for each image", fixed=True)
     eval_files: str = option("", "for --data shards: a glob of the held-out shards, read whole (keep them small)")
+{%- endif %}
     fake_samples: int = option(2048, "size of the fake training set (the held-out set is a quarter of it)")
     model: str = option("resnet18", "a model in task.py's TASK: any torchvision classification model name "
                         "(e.g. resnet50), or small_cnn (a quick CPU model whose gradients do not depend on the "
@@ -80,9 +90,13 @@ class TaskOptions:
 {%- else -%}
 from __future__ import annotations
 
+{% if cookiecutter.use_streaming == "yes" -%}
 import functools
+{% endif -%}
 import math
+{% if cookiecutter.use_streaming == "yes" -%}
 from collections.abc import Iterator
+{% endif -%}
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,6 +107,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from .engine.errors import UsageError
+{%- if cookiecutter.use_streaming == "yes" %}
 from .engine.streaming import (
     StreamedDataset,
     check_first_records,
@@ -101,6 +116,7 @@ from .engine.streaming import (
     read_documents,
     require_max_steps,
 )
+{%- endif %}
 from .optim import Step
 from .options import TrainOptions, option
 from .spec import Task
@@ -115,8 +131,11 @@ class TaskOptions:
     data: str = option(
         "fake", "a dataset in task.py's TASK: fake (generated sentences, learnable), text (bytes of "
         "--data-dir/train.txt and val.txt, or of input.txt split 90/10), tokens (nanoGPT's uint16 "
-        "--data-dir/train.bin and val.bin), stream (the raw text of --data-files, read as a stream)")
+        "--data-dir/train.bin and val.bin)
+{%- if cookiecutter.use_streaming == "yes" %}, stream (the raw text of --data-files, read as a stream)
+{%- endif %}")
     data_dir: str = option("data", "the folder with the text corpus or the token files")
+{%- if cookiecutter.use_streaming == "yes" %}
     data_files: str = option(
         "", "for --data stream: a glob of the training corpus's files (quoted): .jsonl (a 'text' field per line), "
         ".txt (each file one document) or .parquet (a 'text' column)", fixed=True)
@@ -127,6 +146,7 @@ class TaskOptions:
     tokenizer: str = option(
         "", "for --data stream: a tokenizer.json (Hugging Face tokenizers) to read the text with, whose "
         "<|endoftext|> ends each document; default: bytes", fixed=True)
+{%- endif %}
     fake_samples: int = option(2048, "sequences in the fake training set (the held-out set is a quarter of it)")
     model: str = option("gpt", "a model in task.py's TASK: gpt (a decoder-only transformer)", fixed=True)
     block_size: int = option(128, "context length in tokens; a training sample is one block", fixed=True)
@@ -209,6 +229,7 @@ def image_folder(options: TrainOptions) -> tuple[Dataset, Dataset]:
                                    transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
     return (datasets.ImageFolder(root / "train", transform=augment),
             datasets.ImageFolder(root / "val", transform=evaluate))
+{%- if cookiecutter.use_streaming == "yes" %}
 
 
 SHARDS, IMAGE_EXTENSIONS = (".tar",), ("jpg", "jpeg", "png")
@@ -237,6 +258,7 @@ def image_shards(options: TrainOptions) -> tuple[StreamedDataset, list]:
     held_out = [sample for piece in file_pieces(expand_files(task.eval_files, "--eval-files", SHARDS), piece_bytes=0)
                 for sample in shard_images(piece, task.image_size, augment=False)] if task.eval_files else []
     return StreamedDataset(pieces, functools.partial(shard_images, image_size=task.image_size, augment=True)), held_out
+{%- endif %}
 
 
 # ---- model -------------------------------------------------------------------------------------------------
@@ -313,6 +335,7 @@ def check_options(options: TrainOptions) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(options.task, name)}")
     if options.task.data == "imagefolder":
         check_image_folders(Path(options.task.data_dir))
+{%- if cookiecutter.use_streaming == "yes" %}
     if options.task.data == "shards":
         require_max_steps(options)
         for flag, pattern in (("--data-files", options.task.data_files or "(none given)"),
@@ -322,13 +345,15 @@ def check_options(options: TrainOptions) -> None:
         if not options.task.eval_files and options.eval_every:
             raise UsageError("--data shards evaluates on --eval-files (small held-out shards, read whole); give "
                              "them, or --eval-every 0")
+{%- endif %}
 
 
 # ---- what the package calls --------------------------------------------------------------------------------
 
 TASK = Task(
     options=TaskOptions,
-    datasets={"fake": fake_images, "cifar10": cifar10, "imagefolder": image_folder, "shards": image_shards},
+    datasets={"fake": fake_images, "cifar10": cifar10, "imagefolder": image_folder
+{%- if cookiecutter.use_streaming == "yes" %}, "shards": image_shards{% endif %}},
     models={"small_cnn": small_cnn},
     more_models=torchvision_models,  # any other --model name: torchvision's, imported only then
     build_optimizer=build_optimizer,
@@ -428,6 +453,7 @@ def token_files(options: TrainOptions) -> tuple[Dataset, Dataset]:
     check_token_files(root)
     block_size = options.task.block_size
     return TokenBlocks(root / "train.bin", block_size), TokenBlocks(root / "val.bin", block_size)
+{%- if cookiecutter.use_streaming == "yes" %}
 
 
 END_OF_TEXT = 256  # streamed bytes: the token after each document, one past the byte values
@@ -484,13 +510,16 @@ def streamed_text(options: TrainOptions) -> tuple[StreamedDataset, Dataset]:
     held_out = [window for piece in file_pieces(expand_files(task.eval_files, "--eval-files", TEXT_FILES), 2**62)
                 for window in read(piece)] if task.eval_files else []
     return StreamedDataset(pieces, read), held_out
+{%- endif %}
 
 
 def vocab_size(options: TrainOptions) -> int:
     if options.task.vocab_size is not None:
         return options.task.vocab_size
+{%- if cookiecutter.use_streaming == "yes" %}
     if options.task.data == "stream":
         return load_tokenizer(options.task.tokenizer)[0].get_vocab_size() if options.task.tokenizer else END_OF_TEXT + 1
+{%- endif %}
     return 50304 if options.task.data == "tokens" else 256  # GPT-2's 50257, padded to a multiple of 64
 
 
@@ -635,6 +664,7 @@ def check_options(options: TrainOptions) -> None:
         text_files(task.data_dir)
     if task.data == "tokens":
         check_token_files(Path(task.data_dir))
+{%- if cookiecutter.use_streaming == "yes" %}
     if task.data == "stream":
         require_max_steps(options)
         if task.piece_mb <= 0:
@@ -647,13 +677,15 @@ def check_options(options: TrainOptions) -> None:
                              "them, or --eval-every 0")
         if task.tokenizer:
             load_tokenizer(task.tokenizer)
+{%- endif %}
 
 
 # ---- what the package calls --------------------------------------------------------------------------------
 
 TASK = Task(
     options=TaskOptions,
-    datasets={"fake": fake_text, "text": text, "tokens": token_files, "stream": streamed_text},
+    datasets={"fake": fake_text, "text": text, "tokens": token_files
+{%- if cookiecutter.use_streaming == "yes" %}, "stream": streamed_text{% endif %}},
     models={"gpt": gpt},
     build_optimizer=build_optimizer,
     compute_loss=compute_loss,

@@ -10,8 +10,8 @@ What it guarantees, whatever the task:
   one line, and a bug is not retrained on every restart (failure.py);
 - checkpoints (checkpoint/) written whole or not at all, resumed from the newest valid one at any world
   size, with every rank's random generators (reproducibility.py) and the options they were trained with;
-  the replicas checked to hold one model (replicas.py); a stream's position (streaming.py).
+  the replicas checked to hold one model (replicas.py){% if cookiecutter.use_streaming == "yes" %}; a stream's position (streaming.py){% endif %}.
 
 Names a user calls: `errors.UsageError` (refuse bad input in one line), `collectives` (all_reduce and
-friends, which also work in one plain process), `streaming`'s readers for a task's streamed datasets, and
-`checkpoint.build_checkpointer`'s components (add state to it in train.py)."""
+friends, which also work in one plain process), `checkpoint.build_checkpointer`'s components (add state to it
+in train.py){% if cookiecutter.use_streaming == "yes" %}, and `streaming`'s readers for a task's streamed datasets{% endif %}."""
