@@ -431,6 +431,14 @@ def test_networks_stepped_in_turn_and_a_frozen_teacher_need_task_py_alone(bake, 
     if model == "adversarial":  # each network its own optimizer, each stepped once a step
         assert {name: {float(state["step"]) for state in optimizer["state"].values()}
                 for name, optimizer in uninterrupted["optimizer"].items()} == {"critic": {steps}, "generator": {steps}}
+        # Task.rank_0_work: rank 0 alone ran the generator, under FSDP2 gathered whole for it (its forward would
+        # otherwise wait for rank 1's all-gathers), and drew the grid DDP drew, bit for bit.
+        grids = sorted(path.name for path in (tmp_path / "fsdp2" / "samples").iterdir())
+        assert grids == ["step-000010.png", "step-000020.png"] == sorted(
+            path.name for path in (tmp_path / "own" / "checkpoints0" / "samples").iterdir()), grids
+        for grid in grids:
+            assert (tmp_path / "fsdp2" / "samples" / grid).read_bytes() == \
+                (tmp_path / "own" / "checkpoints0" / "samples" / grid).read_bytes(), grid
     else:  # the frozen teacher in no checkpoint and no optimizer; the student's every parameter in both
         assert "0.01 M trained; frozen: teacher; not saved (the model builder makes them each run): teacher" \
             in output

@@ -316,6 +316,20 @@ def training_step(step: Step, batches: list) -> torch.Tensor:
     step.backward(generator_loss, batches)
     step.update("generator")
     return critic
+
+
+def write_samples(step: Step, generator: torch.Generator) -> None:
+    \"\"\"A grid of 16 generated images, samples/step-<N>.png in --log-dir (else --ckpt-dir): on rank 0 alone, from
+    noise of the generator it is given, so that what it draws changes nothing the run trains (TASK.rank_0_work).\"\"\"
+    from torchvision.utils import save_image
+
+    model = step.model  # the plain model (under FSDP2 gathered whole for this)
+    noise = torch.randn(16, NOISE, generator=generator).to(next(model.parameters()).device)
+    with torch.no_grad():
+        images = model.generator(noise).float()
+    folder = Path(step.options.logging.log_dir or step.options.checkpoint.ckpt_dir) / "samples"
+    folder.mkdir(parents=True, exist_ok=True)
+    save_image(images, folder / f"step-{step.number:06d}.png", nrow=4)
 '''),
     (IMAGE_EVALUATION_SUMS, '''    images = batch[0]  # against as many generated ones, from the same noise at every evaluation
     noise = torch.randn(len(images), NOISE, generator=torch.Generator().manual_seed(0)).to(images.device)
@@ -326,6 +340,7 @@ def training_step(step: Step, batches: list) -> torch.Tensor:
 '''),
     ('    models={"small_cnn": small_cnn},\n', '    models={"small_cnn": small_cnn, "adversarial": adversarial},\n'),
     ("    compute_loss=compute_loss,\n", "    training_step=training_step,  # two optimizers stepped in turn\n"
+     "    rank_0_work=(10, write_samples),  # sample images every 10 steps\n"
      "    smoke_test_learning=None,  # the critic's loss need not fall\n"),
     (IMAGE_SMOKE_ARGS, IMAGE_SMOKE_ARGS.replace('"small_cnn"', '"adversarial"').replace('"0.005"', '"0.001"')),
 ]}

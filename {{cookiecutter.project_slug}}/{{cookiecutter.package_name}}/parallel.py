@@ -170,6 +170,32 @@ def shardable_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
+@contextlib.contextmanager
+def whole_model(model: nn.Module):
+    """Every rank gathers an FSDP2 model's parameters whole and keeps them through forwards, so that one rank can
+    run the model alone (each forward would otherwise all-gather, and wait for ranks that are not running it);
+    sharded again after, on every rank. Costs the whole model's memory on every rank meanwhile. A model not
+    sharded: as it is."""
+    sharded = [module for module in model.modules() if is_sharded(module)]
+    # The private post_forward_mesh_info is what fully_shard's reshard_after_forward sets (None: keep unsharded),
+    # for which torch has no getter to restore it from; older torch keeps one group a module, _fsdp_param_group.
+    states = [module._get_fsdp_state() for module in sharded]
+    groups = [group for state in states for group in getattr(state, "_fsdp_param_groups", None)
+              or [state._fsdp_param_group] if group is not None]
+    kept = [group.post_forward_mesh_info for group in groups]
+    for module in sharded:
+        module.unshard()
+    for group in groups:
+        group.post_forward_mesh_info = None
+    try:
+        yield model
+    finally:
+        for group, mesh_info in zip(groups, kept, strict=True):
+            group.post_forward_mesh_info = mesh_info
+        for module in sharded:
+            module.reshard()
+
+
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor's whole value: FSDP2 gives some (a gradient norm) as a DTensor."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor

@@ -29,6 +29,7 @@ from .engine.distributed import DistEnv
 from .engine.errors import UsageError
 from .engine.replicas import bit_sum
 from .options import TrainOptions
+from .parallel import whole_model
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +110,7 @@ class Task:
     # steps N, 2N, ... work(step, generator) runs on rank 0 while every other rank waits for it, in a phase the
     # watchdog allows --io-timeout. Its random draws come from `generator` (seeded from --seed and the step), and
     # torch's own generators are put back as they were after it: nothing it draws changes the training run.
-    # Under FSDP2 rank 0 cannot run the sharded model alone (its all-gathers wait for the other ranks): make what
-    # needs the model in after_step, on every rank, and keep only rank 0's.
+    # Under FSDP2 every rank gathers the whole model first, so that rank 0 can run it alone.
     rank_0_work: tuple[int, Callable[[Any, torch.Generator], None]] | None = None
     # The task's own batches (length buckets, a token budget: any number of samples each). batches(dataset,
     # options, epoch) -> the epoch's batches, each a list of sample indices, the same list on every rank (draw
@@ -184,10 +184,6 @@ class Task:
         """The task's state (Task.state), checked: every entry saveable, none named like one of `taken` (the
         checkpoint entries train.py saves), and the one evaluate_with names among them."""
         state = self.state(model, options) if self.state is not None else {}
-        if self.rank_0_work is not None and options.strategy == "fsdp2":
-            log.info("fsdp2: Task.rank_0_work runs on rank 0 alone, so it cannot run the sharded model (its "
-                     "all-gathers would wait for the other ranks until --io-timeout); make what needs the model "
-                     "in after_step, on every rank")
         for name, value in state.items():
             if name in taken:
                 raise UsageError(f"task.py: Task(state=...) names an entry {name!r}, which train.py saves already; "
@@ -210,11 +206,12 @@ class Task:
 
     def work_alone(self, step: Any, env: DistEnv, device: torch.device) -> None:
         """Task.rank_0_work's work after step.number: on rank 0, with a generator of its own and torch's generators
-        restored after it, while the other ranks wait for it in a barrier."""
-        if env.rank == 0:
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                self.rank_0_work[1](step, torch.Generator().manual_seed(step.options.seed + step.number))
-        barrier(device)
+        restored after it, while the other ranks wait for it in a barrier; an FSDP2 model gathered whole for it."""
+        with whole_model(step.model):
+            if env.rank == 0:
+                with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                    self.rank_0_work[1](step, torch.Generator().manual_seed(step.options.seed + step.number))
+            barrier(device)
 
     def build_model(self, options: TrainOptions, train_set: Dataset | None) -> nn.Module:
         model = self.model_builder(options.task.model)(options, train_set)
