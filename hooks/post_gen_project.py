@@ -15,7 +15,7 @@ OPTIONAL_FILES = {"slurm/train.sbatch": "use_slurm", "k8s/pytorchjob.yaml": "use
                   "PACKAGE/export.py": "use_export", "docs/export.md": "use_export", "PACKAGE/trackers.py": "use_trackers",
                   "PACKAGE/engine/streaming.py": "use_streaming", "docs/streaming.md": "use_streaming"}
 # Examples whose diffs edit the image task's task.py, kept only in its bakes.
-IMAGE_TASK_EXAMPLES = ["regression", "dict-batches", "whole-set-metric", "gan", "distillation", "two-optimizers",
+IMAGE_TASK_EXAMPLES = ["regression", "dict-batches", "whole-set-metric", "gan", "distillation", "lora", "two-optimizers",
                        "ema", "contrastive", "mixture-of-experts"]
 
 

@@ -34,7 +34,7 @@ DEFAULT_FILES = {
     *(f"docs/{name}.md" for name in ("containers-and-schedulers", "experiments", "export", "failures", "monitoring",
                                      "performance", "several-machines")),
     *(f"examples/{name}/{file}" for name in ("regression", "dict-batches", "whole-set-metric", "gan", "distillation",
-                                             "two-optimizers", "ema", "loss-weight", "contrastive",
+                                             "lora", "two-optimizers", "ema", "loss-weight", "contrastive",
                                              "mixture-of-experts")
       for file in ("README.md", "change.diff")),
     "tests/harness.py", "tests/test_smoke.py",

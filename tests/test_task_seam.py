@@ -228,6 +228,16 @@ dist.destroy_process_group()
 """
 
 
+def test_fsdp2_shards_the_members_of_top_level_containers_which_have_no_forward(baked_module):
+    from torch import nn
+
+    model = nn.Module()  # a transformer's layers, adapters by name, a head, and a child with nothing to shard
+    model.layers = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+    model.adapters = nn.ModuleDict({"a": nn.Linear(2, 2)})
+    model.head, model.activation = nn.Linear(2, 1), nn.ReLU()
+    assert baked_module("parallel").shardable_blocks(model) == [*model.layers, model.adapters["a"], model.head]
+
+
 def test_a_task_step_under_fsdp2_computes_with_the_parameters_it_just_stepped(default_project, tmp_path):
     script = tmp_path / "stale.py"
     script.write_text(STALE_AFTER_NO_GRAD)
@@ -394,7 +404,26 @@ def test_the_whole_set_metric_example_gathers_every_row_once(bake, tmp_path):
         evaluations
 
 
-SHAPES = {"adversarial": "gan", "distilled": "distillation"}  # --model: its example
+SHAPES = {"adversarial": "gan", "distilled": "distillation", "lora": "lora"}  # --model: its example
+
+MERGED_LORA_COMPUTES_WHAT_THE_ADAPTERS_DO = """
+import sys
+from types import SimpleNamespace as N
+
+import torch
+
+from shape_lora.task import TaskOptions, lora, small_cnn
+
+checkpoint = torch.load(sys.argv[1], weights_only=True)
+task = N(task=TaskOptions(**{key: value for key, value in checkpoint["options"].items()
+                             if key in TaskOptions.__dataclass_fields__}))
+adapted, fresh, merged = lora(task, None).eval(), lora(task, None).eval(), small_cnn(task, None).eval()
+assert adapted.load_state_dict(checkpoint["model"], strict=False).unexpected_keys == []  # the base: from its file
+merged.load_state_dict(torch.load(sys.argv[2], weights_only=True))
+images = torch.rand(8, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+with torch.no_grad():
+    print((adapted(images) - merged(images)).abs().max().item(), (adapted(images) - fresh(images)).abs().max().item())
+"""
 
 
 @pytest.mark.slow
@@ -439,6 +468,21 @@ def test_networks_stepped_in_turn_and_a_frozen_teacher_need_task_py_alone(bake, 
         for grid in grids:
             assert (tmp_path / "fsdp2" / "samples" / grid).read_bytes() == \
                 (tmp_path / "own" / "checkpoints0" / "samples" / grid).read_bytes(), grid
+    elif model == "lora":  # the frozen base in no checkpoint; each layer's adapter an lr of its own; merged export
+        assert "frozen: base; not saved (the model builder makes them each run): base" in output, output[-3000:]
+        assert all(key.startswith("adapters.") for key in uninterrupted["model"]), list(uninterrupted["model"])
+        peaks = [group["lr"] for group in uninterrupted["optimizer"]["param_groups"]]  # each on the same schedule
+        assert len(peaks) == 4 and all(peaks[depth] / peaks[depth + 1] == pytest.approx(0.5) for depth in range(3))
+        saved = tmp_path / "own" / "checkpoints0" / f"step-{steps}.pt"
+        exported = run([sys.executable, "-m", "shape_lora.export", str(saved), str(tmp_path / "merged.pt")],
+                       cwd=project)
+        assert exported.returncode == 0 and "in the form TASK's export_weights makes" in exported.stdout, \
+            exported.stderr
+        compared = run([sys.executable, "-c", MERGED_LORA_COMPUTES_WHAT_THE_ADAPTERS_DO, str(saved),
+                        str(tmp_path / "merged.pt")], cwd=project)
+        assert compared.returncode == 0, compared.stderr[-3000:]
+        merged_gap, trained = map(float, compared.stdout.split())
+        assert merged_gap < 1e-5 and trained > 1e-3, (merged_gap, trained)  # adapters that moved, merged exactly
     else:  # the frozen teacher in no checkpoint and no optimizer; the student's every parameter in both
         assert "0.01 M trained; frozen: teacher; not saved (the model builder makes them each run): teacher" \
             in output

@@ -568,9 +568,114 @@ def mixture(options: TrainOptions, train_set: Dataset) -> nn.Module:
     (IMAGE_SMOKE_ARGS, IMAGE_SMOKE_ARGS.replace('"small_cnn"', '"mixture"')),
 ]}
 
+LORA = {"PACKAGE/task.py": [
+    (FUTURE, FUTURE + "import functools\n"),
+    ("from pathlib import Path\n", "from pathlib import Path\nfrom types import SimpleNamespace\n"),
+    ("from .spec import Task\n", "from .spec import Task, leave_out_of_checkpoints\n"),
+    ('''    num_classes: int = option(10, "outputs of the model's head (cifar10 has 10 classes)", fixed=True)
+''', '''    num_classes: int = option(10, "outputs of the model's head (cifar10 has 10 classes)", fixed=True)
+    base: str = option("", "for --model lora: the frozen base's weights, a small_cnn's exported .pt (none: a random "
+                       "base, to try it out)")
+    lora_rank: int = option(4, "for --model lora: the rank of each layer's trained update", fixed=True)
+    layer_decay: float = option(0.5, "for --model lora: each layer's lr is this times the next one's, the head's --lr")
+'''),
+    (BEFORE_SMALL_CNN, '''class LoRA(nn.Module):
+    """Low-rank adapters on a frozen base: each convolution and linear layer of the base gets a trained update,
+    B(A(input)), added to its output. B starts at zero, so training starts from the base's own outputs. The base is
+    read again each run from --base, so checkpoints leave it out."""
+
+    def __init__(self, base: nn.Module, rank: int):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.adapters = nn.ModuleDict()
+        for name, layer in base.named_modules():
+            if isinstance(layer, nn.Conv2d):
+                down = nn.Conv2d(layer.in_channels, rank, layer.kernel_size, layer.stride, layer.padding, bias=False)
+                up = nn.Conv2d(rank, layer.out_channels, 1, bias=False)
+            elif isinstance(layer, nn.Linear):
+                down = nn.Linear(layer.in_features, rank, bias=False)
+                up = nn.Linear(rank, layer.out_features, bias=False)
+            else:
+                continue
+            nn.init.zeros_(up.weight)
+            self.adapters[adapter_name(name)] = nn.Sequential(down, up)
+            layer.register_forward_hook(functools.partial(self.add_update, adapter_name(name)))
+
+    def add_update(self, name: str, layer: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+        return output + self.adapters[name](inputs[0])
+
+    def train(self, mode: bool = True) -> LoRA:
+        super().train(mode)
+        self.base.eval()  # always: the base as it was trained
+        return self
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.base(images)
+
+
+def adapter_name(layer: str) -> str:
+    return layer.replace(".", "_")  # a ModuleDict key has no dots
+
+
+def lora_base(task: TaskOptions) -> nn.Module:
+    base = small_cnn(SimpleNamespace(task=task), None)
+    if task.base:
+        base.load_state_dict(torch.load(task.base, weights_only=True))
+    return base
+
+
+def lora(options: TrainOptions, train_set: Dataset) -> nn.Module:
+    return leave_out_of_checkpoints(LoRA(lora_base(options.task), options.task.lora_rank), "base")
+
+
+def merged_lora(weights: dict[str, torch.Tensor], task: TaskOptions) -> dict[str, torch.Tensor]:
+    """What export writes (TASK.export_weights): for --model lora, each update merged into its base layer, W + B A,
+    a plain small_cnn's weights; for another model, its weights as they are."""
+    if task.model != "lora":
+        return weights
+    base = lora_base(task)
+    merged = base.state_dict()
+    for name, layer in base.named_modules():
+        down, up = (weights.get(f"adapters.{adapter_name(name)}.{index}.weight") for index in (0, 1))
+        if down is not None:  # a convolution's update is one too: a 1x1 convolution after a k x k one
+            merged[f"{name}.weight"] = layer.weight + (up.flatten(1) @ down.flatten(1)).view_as(layer.weight)
+    return merged
+
+
+def base_file(folder: Path) -> list[str]:
+    """For tests/ (TASK.smoke_test_files): a base's weights file, as yours would be, and the flag naming it."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        base = small_cnn(SimpleNamespace(task=TaskOptions()), None)
+    torch.save(base.state_dict(), folder / "base.pt")
+    return ["--base", str(folder / "base.pt")]
+
+
+''' + BEFORE_SMALL_CNN),
+    (BUILD_OPTIMIZER, '''def build_optimizer(model: nn.Module, options: TrainOptions) -> torch.optim.Optimizer:
+    """The warmup + decay schedule scales whatever lr this starts with. Frozen parameters (requires_grad False:
+    a pretrained part you do not train) are left out. For --model lora, an AdamW with a group for each layer's
+    adapter, its lr --layer-decay times the next layer's: the head's is --lr."""
+    if options.task.model != "lora":
+        trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
+        return torch.optim.SGD(trained, lr=options.lr, momentum=0.9, weight_decay=5e-4)
+    adapters = list(model.adapters.values())  # in the base's order: the first layer's first
+    decay = options.task.layer_decay
+    groups = [{"params": adapter.parameters(), "lr": options.lr * decay ** (len(adapters) - 1 - depth)}
+              for depth, adapter in enumerate(adapters)]
+    return torch.optim.AdamW(groups, lr=options.lr, weight_decay=0.0)
+'''),
+    ('    models={"small_cnn": small_cnn},\n', '    models={"small_cnn": small_cnn, "lora": lora},\n'),
+    ("    compute_loss=compute_loss,\n", "    compute_loss=compute_loss,\n"
+     "    export_weights=merged_lora,  # adapters merged into their base\n"
+     "    smoke_test_learning=(30, 0.85),  # low-rank updates of a random base: the loss falls less\n"
+     "    smoke_test_files=base_file,\n"),
+    (IMAGE_SMOKE_ARGS, IMAGE_SMOKE_ARGS.replace('"small_cnn"', '"lora"').replace('"0.005"', '"0.03"')),
+]}
+
 RECIPES = {"regression": REGRESSION, "dict-batches": TAGGER, "whole-set-metric": AUC, "gan": ADVERSARIAL,
            "distillation": TEACHER, "ema": EMA, "two-optimizers": TWO_OPTIMIZERS, "loss-weight": LOSS_WEIGHT, "contrastive": CONTRASTIVE,
-           "mixture-of-experts": MIXTURE}
+           "mixture-of-experts": MIXTURE, "lora": LORA}
 
 
 def sorted_imports(project: Path, relative: str, text: str) -> str:

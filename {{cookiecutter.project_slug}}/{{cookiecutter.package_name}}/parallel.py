@@ -159,13 +159,15 @@ def holds_batchnorm(group: nn.Module) -> bool:
 
 def shardable_blocks(model: nn.Module) -> list[nn.Module]:
     """The blocks to shard: what the model's shardable_blocks() returns if it has one (the GPT of the language
-    model task: its transformer blocks), else the members of its top-level Sequentials (ResNet's residual
-    blocks, a ViT's encoder layers, small_cnn's blocks) and its other top-level children."""
+    model task: its transformer blocks), else the members of its top-level Sequentials, ModuleLists and
+    ModuleDicts (ResNet's residual blocks, a ViT's encoder layers, small_cnn's blocks, adapters by name; fully_shard
+    refuses a container without a forward of its own) and its other top-level children."""
     if hasattr(model, "shardable_blocks"):
         return list(model.shardable_blocks())
     blocks = []
     for child in model.children():
-        members = list(child.children()) if isinstance(child, nn.Sequential) else [child]
+        containers = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+        members = list(child.children()) if isinstance(child, containers) else [child]
         blocks += [member for member in members if any(True for _ in member.parameters())]
     return blocks
 
