@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_trains_like_bare, checkpoint, run, run_job, tiny_run
+from helpers import assert_trains_like_bare, checkpoint, run, run_job, tiny_run, with_task_code
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -106,6 +106,51 @@ def test_channels_last_shards_and_trains_what_contiguous_parameters_train(fsdp_p
     for name, tensor in expected.items():
         if name.startswith("model."):
             assert torch.allclose(actual[name], tensor, atol=1e-4), name
+
+
+RANK_0_PREDICTS_TWICE = """
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+
+def predict_twice(step, generator):  # two forwards of the model, on rank 0 alone: under FSDP2 gathered whole for it
+    images = torch.rand(4, 3, 16, 16, generator=generator)
+    outputs = [step.model(images).sum().item(), step.model(images.flip(0)).sum().item()]
+    (Path(os.environ["WORK_LOG"]) / f"work-{step.number}.json").write_text(json.dumps(outputs))
+
+
+TASK = dataclasses.replace(TASK, rank_0_work=(4, predict_twice))
+"""
+
+
+def test_work_rank_0_does_alone_runs_the_whole_model_and_changes_nothing_the_run_trains(
+        fsdp_project, uninterrupted, baked_module, tmp_path):
+    # Task.rank_0_work after steps 4 and 8: rank 0 runs the sharded model alone, twice, while rank 1 waits; the
+    # run then trains on, to the reference's shards bit for bit (its all-gathers and reduce-scatters still paired:
+    # rank 0's forwards are not left in the order the next backward prefetches in), generators included.
+    project = with_task_code(fsdp_project, tmp_path, RANK_0_PREDICTS_TWICE)
+    result = run_job(project, tiny_run(**RUN, max_steps=8, ckpt_dir=tmp_path / "ckpt"), WORK_LOG=str(tmp_path))
+    assert result.returncode == 0, result.stderr[-4000:]
+    expected = tensors(sharded_state(uninterrupted / "step-8", tmp_path))
+    actual = tensors(sharded_state(tmp_path / "ckpt" / "step-8", tmp_path))
+    assert actual.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(actual[name], tensor), name
+    # What it computed is the whole model's output with the weights of that step.
+    from types import SimpleNamespace
+
+    model = baked_module("task").small_cnn(SimpleNamespace(task=SimpleNamespace(num_classes=10)), None)
+    for number in (4, 8):
+        weights = tensors(sharded_state(uninterrupted / f"step-{number}", tmp_path))
+        model.load_state_dict({name.removeprefix("model."): tensor for name, tensor in weights.items()
+                               if name.startswith("model.")})
+        images = torch.rand(4, 3, 16, 16, generator=torch.Generator().manual_seed(0 + number))
+        with torch.no_grad():
+            outputs = [model(images).sum().item(), model(images.flip(0)).sum().item()]
+        assert json.loads((tmp_path / f"work-{number}.json").read_text()) == pytest.approx(outputs, abs=1e-4)
 
 
 def test_two_ranks_to_one_reshards_and_continues_the_same_run(fsdp_project, uninterrupted, tmp_path):

@@ -173,27 +173,38 @@ def shardable_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 @contextlib.contextmanager
-def whole_model(model: nn.Module):
-    """Every rank gathers an FSDP2 model's parameters whole and keeps them through forwards, so that one rank can
-    run the model alone (each forward would otherwise all-gather, and wait for ranks that are not running it);
-    sharded again after, on every rank. Costs the whole model's memory on every rank meanwhile. A model not
-    sharded: as it is."""
+def whole_model(model: nn.Module, keep: bool = True):
+    """Gather an FSDP2 model's parameters whole (every rank takes part) and, where `keep`, keep them through
+    forwards, so that this rank can run the model alone: each forward would otherwise all-gather, and wait for
+    ranks that are not running it. Sharded again after. A model not sharded: as it is."""
     sharded = [module for module in model.modules() if is_sharded(module)]
-    # The private post_forward_mesh_info is what fully_shard's reshard_after_forward sets (None: keep unsharded),
-    # for which torch has no getter to restore it from; older torch keeps one group a module, _fsdp_param_group.
+    # Private attributes, the same from torch 2.6 on; torch has no getter for what reshard_after_forward set.
     states = [module._get_fsdp_state() for module in sharded]
     groups = [group for state in states for group in getattr(state, "_fsdp_param_groups", None)
               or [state._fsdp_param_group] if group is not None]
-    kept = [group.post_forward_mesh_info for group in groups]
+    if not all(hasattr(group, "post_forward_mesh_info") for group in groups):
+        raise RuntimeError("this torch's FSDP2 keeps its reshard-after-forward setting elsewhere: whole_model (in "
+                           "parallel.py) cannot keep a model gathered for one rank")
+    kept = [group.post_forward_mesh_info for group in groups]  # None: not resharded after a forward
+    # Each forward also appends to the order the next backward prefetches in; rank 0's alone would make it
+    # all-gather alone there (FSDP2 clears them at the end of a backward only).
+    recorded = [len(group._post_forward_indices) for group in groups]
+    orders = {id(group.comm_ctx): (order, len(order)) for group in groups
+              if (order := getattr(group.comm_ctx, "post_forward_order", None)) is not None}
     for module in sharded:
         module.unshard()
+        if not keep:  # this rank only took part in the all-gather
+            module.reshard()
     for group in groups:
         group.post_forward_mesh_info = None
     try:
         yield model
     finally:
-        for group, mesh_info in zip(groups, kept, strict=True):
+        for group, mesh_info, count in zip(groups, kept, recorded, strict=True):
             group.post_forward_mesh_info = mesh_info
+            del group._post_forward_indices[count:]
+        for order, count in orders.values():
+            del order[count:]
         for module in sharded:
             module.reshard()
 

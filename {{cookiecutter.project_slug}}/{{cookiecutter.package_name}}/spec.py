@@ -109,8 +109,9 @@ class Task:
     # Work one rank does alone every N optimizer steps (sample images, a figure, an upload): (N, work). After
     # steps N, 2N, ... work(step, generator) runs on rank 0 while every other rank waits for it, in a phase the
     # watchdog allows --io-timeout. Its random draws come from `generator` (seeded from --seed and the step), and
-    # torch's own generators are put back as they were after it: nothing it draws changes the training run.
-    # Under FSDP2 every rank gathers the whole model first, so that rank 0 can run it alone.
+    # torch's own generators are put back as they were after it: nothing it draws changes the training run. It runs
+    # with the model in eval mode (put back after), without gradients, under the run's autocast. Under FSDP2 rank 0
+    # gathers the whole model first (its memory, for the work's length), so that it can run it alone.
     rank_0_work: tuple[int, Callable[[Any, torch.Generator], None]] | None = None
     # The task's own batches (length buckets, a token budget: any number of samples each). batches(dataset,
     # options, epoch) -> the epoch's batches, each a list of sample indices, the same list on every rank (draw
@@ -205,12 +206,20 @@ class Task:
         return state[self.evaluate_with].swapped_into(model)
 
     def work_alone(self, step: Any, env: DistEnv, device: torch.device) -> None:
-        """Task.rank_0_work's work after step.number: on rank 0, with a generator of its own and torch's generators
-        restored after it, while the other ranks wait for it in a barrier; an FSDP2 model gathered whole for it."""
-        with whole_model(step.model):
+        """Task.rank_0_work's work after step.number: on rank 0, with a generator of its own, the model in eval mode,
+        without gradients, under the run's autocast, then torch's generators and the modules' modes restored, while
+        the other ranks wait for it in a barrier; an FSDP2 model gathered whole for it."""
+        modes = [(module, module.training) for module in step.model.modules()]
+        with whole_model(step.model, keep=env.rank == 0):
             if env.rank == 0:
-                with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                    self.rank_0_work[1](step, torch.Generator().manual_seed(step.options.seed + step.number))
+                try:
+                    step.model.eval()  # no dropout, and no BatchNorm statistics that rank 0 alone would update
+                    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                            torch.no_grad(), step.amp.autocast():
+                        self.rank_0_work[1](step, torch.Generator().manual_seed(step.options.seed + step.number))
+                finally:
+                    for module, training in modes:
+                        module.train(training)
             barrier(device)
 
     def build_model(self, options: TrainOptions, train_set: Dataset | None) -> nn.Module:
