@@ -7,10 +7,13 @@ import tempfile
 from pathlib import Path
 
 EXECUTABLES = ["run_node.sh", "train.py", "slurm/train.sbatch"]
-# The template's own files in the optional folders, each kept only when its answer is "yes". Only these are
-# removed, and their folder only when that leaves it empty: `cookiecutter -f ... use_slurm=no` over an
-# existing project must keep the user's own files in slurm/ (issue 14).
+# The template's own optional files, each kept only when its answer (or one of its answers) is "yes". Only these
+# are removed, and their folder only when that leaves it empty: `cookiecutter -f ... use_slurm=no` over an
+# existing project must keep the user's own files in slurm/ (issue 14). The Kubernetes manifest runs the image
+# the Dockerfile builds.
 OPTIONAL_FILES = {"slurm/train.sbatch": "use_slurm", "k8s/pytorchjob.yaml": "use_kubernetes",
+                  "Dockerfile": ("use_docker", "use_kubernetes"), ".dockerignore": ("use_docker", "use_kubernetes"),
+                  "docs/containers-and-schedulers.md": ("use_docker", "use_slurm", "use_kubernetes"),
                   "PACKAGE/preflight.py": "use_preflight", "PACKAGE/profiling.py": "use_profiling",
                   "PACKAGE/export.py": "use_export", "docs/export.md": "use_export", "PACKAGE/trackers.py": "use_trackers",
                   "PACKAGE/engine/streaming.py": "use_streaming", "docs/streaming.md": "use_streaming"}
@@ -26,8 +29,8 @@ def make_executable(path: Path) -> None:
 
 def remove_unwanted_files(project: Path, answers: dict) -> None:
     for name, answer in OPTIONAL_FILES.items():
-        if answers.get(answer, "yes") == "yes":  # asked for (or an answer this template's version did not ask)
-            continue
+        if any(answers.get(each, "yes") == "yes" for each in ((answer,) if isinstance(answer, str) else answer)):
+            continue  # asked for (or an answer this template's version did not ask)
         path = project / name.replace("PACKAGE", answers.get("package_name", "PACKAGE"))
         if not path.exists():
             continue

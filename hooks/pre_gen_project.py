@@ -91,6 +91,7 @@ CHECKS = {
     "gpus_per_node": lambda value: check_positive_int(value, minimum=0),
     "use_slurm": lambda value: None if value in ("yes", "no") else f"{value!r} must be yes or no",
     "use_kubernetes": lambda value: None if value in ("yes", "no") else f"{value!r} must be yes or no",
+    "use_docker": lambda value: None if value in ("yes", "no") else f"{value!r} must be yes or no",
     "use_preflight": lambda value: None if value in ("yes", "no") else f"{value!r} must be yes or no",
     "use_profiling": lambda value: None if value in ("yes", "no") else f"{value!r} must be yes or no",
     "use_export": lambda value: None if value in ("yes", "no") else f"{value!r} must be yes or no",

@@ -182,7 +182,7 @@ def test_recorded_answers_are_every_answer_given(default_project):
     assert json.loads((default_project / ".cookiecutter.json").read_text()) == {
         "project_name": "DDP Training", "project_slug": "ddp-training", "package_name": "ddp_training",
         "author": "Your Name", "nnodes": "1", "nproc_per_node": "auto", "rdzv_port": "29400", "max_restarts": "3",
-        "gpus_per_node": "8", "use_slurm": "yes", "use_kubernetes": "no", "use_preflight": "yes",
+        "gpus_per_node": "8", "use_slurm": "yes", "use_kubernetes": "no", "use_docker": "yes", "use_preflight": "yes",
         "use_profiling": "yes", "use_export": "yes", "use_trackers": "yes", "use_streaming": "no",
         "strategy": "ddp", "task": "image_classification"}
 
@@ -218,6 +218,12 @@ def test_baking_again_without_slurm_removes_only_the_templates_files(tmp_path):
     (slurm / "train.sbatch").write_text("#!/bin/bash\n")
     POST_GEN.remove_unwanted_files(tmp_path, answers)
     assert not slurm.exists(), "a folder left empty by the template's own files goes too"
+    # A file that serves two answers stays while either is yes: the Kubernetes manifest runs the Dockerfile's image.
+    (tmp_path / "Dockerfile").write_text("FROM scratch\n")
+    POST_GEN.remove_unwanted_files(tmp_path, answers | {"use_docker": "no"})
+    assert (tmp_path / "Dockerfile").exists()
+    POST_GEN.remove_unwanted_files(tmp_path, answers | {"use_docker": "no", "use_kubernetes": "no"})
+    assert not (tmp_path / "Dockerfile").exists()
 
 
 def test_help_shows_each_default_once(baked_train, capsys, monkeypatch):

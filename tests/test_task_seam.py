@@ -50,10 +50,12 @@ def write_table(path: Path, rows: int, seed: int) -> None:
 @pytest.mark.slow
 def test_the_regression_example_is_the_whole_change(bake, tmp_path):
     # In the smallest bake: every optional part answered no, whose project still lints, trains and passes its tests.
-    project = bake(project_name="House Prices", use_slurm="no", use_kubernetes="no", use_preflight="no",
-                   use_profiling="no", use_export="no", use_trackers="no")
+    project = bake(project_name="House Prices", use_slurm="no", use_kubernetes="no", use_docker="no",
+                   use_preflight="no", use_profiling="no", use_export="no", use_trackers="no", use_streaming="no")
     left_out = ("preflight", "profiling", "export", "trackers", "engine/streaming")
     assert not any((project / "house_prices" / f"{name}.py").exists() for name in left_out)
+    assert not any((project / name).exists() for name in ("Dockerfile", ".dockerignore", "slurm", "k8s",
+                                                          "docs/containers-and-schedulers.md"))
     patched = run(["patch", "-p1", "-i", "examples/regression/change.diff"], cwd=project)
     assert patched.returncode == 0, patched.stdout + patched.stderr
     assert "house_prices/task.py" in patched.stdout, "one file changes"
