@@ -17,7 +17,6 @@ import pytest
 import torch
 from helpers import (
     assert_bitwise_equal,
-    assert_trains_like_bare,
     bare_torchrun,
     checkpoint,
     free_port,
@@ -416,46 +415,6 @@ def test_a_rank_that_never_reaches_the_next_collective_is_named_and_torchruns_ro
     root_cause = output[output.index("Root Cause (first observed failure)"):]
     assert "rank      : 1 (local_rank: 1)" in root_cause.split("=====")[0], root_cause
     assert "traceback : HANG: rank(s) 1 stopped making progress" in root_cause, root_cause
-
-
-RANK_0_WORK = """
-
-import time
-
-
-def write_samples(step, generator):  # a figure, sample images: one rank's work
-    if step.number == 4:
-        time.sleep(20)  # the first takes long
-    torch.randn(1000)  # from torch's own generator, put back after the work: the run trains what it would without
-    drawn = torch.rand(3, generator=generator).tolist()  # the work's own
-    (Path(os.environ["WORK_LOG"]) / f"work-{step.number}.json").write_text(json.dumps(drawn))
-
-
-import dataclasses
-import json
-import os
-from pathlib import Path
-
-TASK = dataclasses.replace(TASK, rank_0_work=(4, write_samples))
-"""
-
-
-def test_work_rank_0_does_alone_is_waited_for_and_changes_nothing_the_run_trains(default_project, uninterrupted_bare,
-                                                                                 tmp_path):
-    # Task.rank_0_work: 20 s alone on rank 0 after step 4, 7x --step-timeout and past the backstop of rank 1's
-    # watchdog (faulthandler, 2 x 3 + 10 s), in the phase the loop gives it: rank 1 waits. Its draws from torch's
-    # generator are undone, so step 8 is the reference's, bit for bit, RNG states included.
-    project = with_task_code(default_project, tmp_path, RANK_0_WORK)
-    args = tiny_run(num_workers=0, max_steps=8, step_timeout=3)
-    assert_trains_like_bare(args)
-    result = run_job(project, [*args, "--ckpt-dir", str(tmp_path / "ckpt")], WORK_LOG=str(tmp_path))
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "no progress" not in result.stderr, result.stderr[-4000:]
-    assert_bitwise_equal(checkpoint(tmp_path / "ckpt", 8), checkpoint(uninterrupted_bare, 8))
-    for number in (4, 8):  # every 4 steps, each with a generator of its own: seeded from --seed and the step
-        expected = torch.rand(3, generator=torch.Generator().manual_seed(0 + number)).tolist()
-        assert json.loads((tmp_path / f"work-{number}.json").read_text()) == expected
-    assert sorted(path.name for path in tmp_path.glob("work-*.json")) == ["work-4.json", "work-8.json"]
 
 
 RANK_0_SAVES_SLOWLY = """

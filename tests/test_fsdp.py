@@ -108,17 +108,21 @@ def test_channels_last_shards_and_trains_what_contiguous_parameters_train(fsdp_p
             assert torch.allclose(actual[name], tensor, atol=1e-4), name
 
 
-RANK_0_PREDICTS_TWICE = """
+RANK_0_WORK = """
 
 import dataclasses
 import json
 import os
+import time
 from pathlib import Path
 
 
-def predict_twice(step, generator):  # two forwards of the model, on rank 0 alone: under FSDP2 gathered whole for it
-    images = torch.rand(4, 3, 16, 16, generator=generator)
-    outputs = [step.model(images).sum().item(), step.model(images.flip(0)).sum().item()]
+def predict_twice(step, generator):  # a figure, sample images: one rank's work, with the model
+    if step.number == 4:
+        time.sleep(20)  # the first takes long
+    torch.randn(1000)  # from torch's own generator, put back after the work: the run trains what it would without
+    images = torch.rand(4, 3, 16, 16, generator=generator)  # the work's own
+    outputs = [step.model(images).sum().item(), step.model(images.flip(0)).sum().item()]  # two forwards
     (Path(os.environ["WORK_LOG"]) / f"work-{step.number}.json").write_text(json.dumps(outputs))
 
 
@@ -126,23 +130,30 @@ TASK = dataclasses.replace(TASK, rank_0_work=(4, predict_twice))
 """
 
 
-def test_work_rank_0_does_alone_runs_the_whole_model_and_changes_nothing_the_run_trains(
+def test_work_rank_0_does_alone_runs_the_whole_model_is_waited_for_and_changes_nothing_the_run_trains(
         fsdp_project, uninterrupted, baked_module, tmp_path):
-    # Task.rank_0_work after steps 4 and 8: rank 0 runs the sharded model alone, twice, while rank 1 waits; the
-    # run then trains on, to the reference's shards bit for bit (its all-gathers and reduce-scatters still paired:
-    # rank 0's forwards are not left in the order the next backward prefetches in), generators included.
-    project = with_task_code(fsdp_project, tmp_path, RANK_0_PREDICTS_TWICE)
-    result = run_job(project, tiny_run(**RUN, max_steps=8, ckpt_dir=tmp_path / "ckpt"), WORK_LOG=str(tmp_path))
+    # Task.rank_0_work after steps 4 and 8: rank 0 runs the sharded model alone, twice (gathered whole for it),
+    # while rank 1 waits: the first time for 20 s, 7x --step-timeout and past the backstop of rank 1's watchdog
+    # (faulthandler, 2 x 3 + 10 s), in the phase the loop gives it. The run then trains on to the reference's
+    # shards bit for bit, every rank's generators included: its draws from torch's generator are undone, and its
+    # all-gathers and reduce-scatters stay paired (rank 0's forwards are not left in the order the next backward
+    # prefetches in).
+    project = with_task_code(fsdp_project, tmp_path, RANK_0_WORK)
+    result = run_job(project, tiny_run(**RUN, max_steps=8, step_timeout=3, ckpt_dir=tmp_path / "ckpt"),
+                     WORK_LOG=str(tmp_path))
     assert result.returncode == 0, result.stderr[-4000:]
+    assert "no progress" not in result.stderr, result.stderr[-4000:]
     expected = tensors(sharded_state(uninterrupted / "step-8", tmp_path))
     actual = tensors(sharded_state(tmp_path / "ckpt" / "step-8", tmp_path))
     assert actual.keys() == expected.keys()
     for name, tensor in expected.items():
         assert torch.equal(actual[name], tensor), name
-    # What it computed is the whole model's output with the weights of that step.
+    # What it computed is the whole model's output with the weights of that step, on images drawn from a
+    # generator of its own, seeded from --seed and the step.
     from types import SimpleNamespace
 
     model = baked_module("task").small_cnn(SimpleNamespace(task=SimpleNamespace(num_classes=10)), None)
+    assert sorted(path.name for path in tmp_path.glob("work-*.json")) == ["work-4.json", "work-8.json"]
     for number in (4, 8):
         weights = tensors(sharded_state(uninterrupted / f"step-{number}", tmp_path))
         model.load_state_dict({name.removeprefix("model."): tensor for name, tensor in weights.items()
