@@ -110,8 +110,9 @@ class Task:
     # steps N, 2N, ... work(step, generator) runs on rank 0 while every other rank waits for it, in a phase the
     # watchdog allows --io-timeout. Its random draws come from `generator` (seeded from --seed and the step), and
     # torch's own generators are put back as they were after it: nothing it draws changes the training run. It runs
-    # with the model in eval mode (put back after), without gradients, under the run's autocast. Under FSDP2 rank 0
-    # gathers the whole model first (its memory, for the work's length), so that it can run it alone.
+    # with the model in eval mode (put back after), without gradients, under the run's autocast; run step.model (not
+    # step.networks, which may be compiled). Under FSDP2 rank 0 gathers the whole model first (its memory, for the
+    # work's length), so that it can run it alone; its state_dict() would reshard it there, on rank 0 alone.
     rank_0_work: tuple[int, Callable[[Any, torch.Generator], None]] | None = None
     # The task's own batches (length buckets, a token budget: any number of samples each). batches(dataset,
     # options, epoch) -> the epoch's batches, each a list of sample indices, the same list on every rank (draw
