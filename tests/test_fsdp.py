@@ -116,6 +116,13 @@ import os
 import time
 from pathlib import Path
 
+from .optim import ExponentialMovingAverage
+
+
+@dataclass
+class SampledTaskOptions(TaskOptions):
+    sample_every: int = option(0, "write predictions every this many steps (0: never)")
+
 
 def predict_twice(step, generator):  # a figure, sample images: one rank's work, with the model
     if step.number == 4:
@@ -126,42 +133,54 @@ def predict_twice(step, generator):  # a figure, sample images: one rank's work,
     (Path(os.environ["WORK_LOG"]) / f"work-{step.number}.json").write_text(json.dumps(outputs))
 
 
-TASK = dataclasses.replace(TASK, rank_0_work=(4, predict_twice))
+def after_step(step):
+    step.state["ema"].update(step.model)
+
+
+TASK = dataclasses.replace(TASK, options=SampledTaskOptions, rank_0_work=("sample_every", predict_twice),
+                           state=lambda model, options: {"ema": ExponentialMovingAverage(model, decay=0.5)},
+                           after_step=after_step, evaluate_with="ema")
 """
 
 
 def test_work_rank_0_does_alone_runs_the_whole_model_is_waited_for_and_changes_nothing_the_run_trains(
         fsdp_project, uninterrupted, baked_module, tmp_path):
-    # Task.rank_0_work after steps 4 and 8: rank 0 runs the sharded model alone, twice (gathered whole for it),
-    # while rank 1 waits: the first time for 20 s, 7x --step-timeout and past the backstop of rank 1's watchdog
+    # Task.rank_0_work every --sample-every 4 steps: rank 0 runs the sharded model alone, twice, with the weights
+    # evaluation uses (an EMA's, swapped in shard by shard on every rank, then gathered whole for rank 0), while
+    # rank 1 waits: the first time for 20 s, 7x --step-timeout and past the backstop of rank 1's watchdog
     # (faulthandler, 2 x 3 + 10 s), in the phase the loop gives it. The run then trains on to the reference's
     # shards bit for bit, every rank's generators included: its draws from torch's generator are undone, and its
     # all-gathers and reduce-scatters stay paired (rank 0's forwards are not left in the order the next backward
     # prefetches in).
     project = with_task_code(fsdp_project, tmp_path, RANK_0_WORK)
-    result = run_job(project, tiny_run(**RUN, max_steps=8, step_timeout=3, ckpt_dir=tmp_path / "ckpt"),
-                     WORK_LOG=str(tmp_path))
+    result = run_job(project, [*tiny_run(**RUN, max_steps=8, step_timeout=3, ckpt_dir=tmp_path / "ckpt"),
+                               "--sample-every", "4"], WORK_LOG=str(tmp_path))
     assert result.returncode == 0, result.stderr[-4000:]
     assert "no progress" not in result.stderr, result.stderr[-4000:]
     expected = tensors(sharded_state(uninterrupted / "step-8", tmp_path))
     actual = tensors(sharded_state(tmp_path / "ckpt" / "step-8", tmp_path))
-    assert actual.keys() == expected.keys()
+    assert actual.keys() - expected.keys() == {name.replace("model.", "ema.") for name in expected
+                                               if name.startswith("model.")}
     for name, tensor in expected.items():
         assert torch.equal(actual[name], tensor), name
-    # What it computed is the whole model's output with the weights of that step, on images drawn from a
+    # What it computed is the whole model's output with the averages of that step, on images drawn from a
     # generator of its own, seeded from --seed and the step.
     from types import SimpleNamespace
 
     model = baked_module("task").small_cnn(SimpleNamespace(task=SimpleNamespace(num_classes=10)), None)
     assert sorted(path.name for path in tmp_path.glob("work-*.json")) == ["work-4.json", "work-8.json"]
     for number in (4, 8):
-        weights = tensors(sharded_state(uninterrupted / f"step-{number}", tmp_path))
-        model.load_state_dict({name.removeprefix("model."): tensor for name, tensor in weights.items()
-                               if name.startswith("model.")})
+        saved = tensors(sharded_state(tmp_path / "ckpt" / f"step-{number}", tmp_path))
         images = torch.rand(4, 3, 16, 16, generator=torch.Generator().manual_seed(0 + number))
-        with torch.no_grad():
-            outputs = [model(images).sum().item(), model(images.flip(0)).sum().item()]
-        assert json.loads((tmp_path / f"work-{number}.json").read_text()) == pytest.approx(outputs, abs=1e-4)
+        outputs = {}
+        for entry in ("ema", "model"):
+            model.load_state_dict({name.removeprefix(f"{entry}."): tensor for name, tensor in saved.items()
+                                   if name.startswith(f"{entry}.")})
+            with torch.no_grad():
+                outputs[entry] = [model(images).sum().item(), model(images.flip(0)).sum().item()]
+        written = json.loads((tmp_path / f"work-{number}.json").read_text())
+        assert written == pytest.approx(outputs["ema"], abs=1e-4), (written, outputs)
+        assert written != pytest.approx(outputs["model"], abs=1e-4), (written, outputs)  # not the trained weights
 
 
 def test_two_ranks_to_one_reshards_and_continues_the_same_run(fsdp_project, uninterrupted, tmp_path):

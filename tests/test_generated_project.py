@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from helpers import (
@@ -315,6 +316,17 @@ def test_an_error_in_the_projects_own_files_or_at_start_up_and_no_machine_fault_
                           f'last):\n  File "{library}", line 1, in fetch\n  File "{task}", line 7, in collate\n'
                           f'    raise ValueError\nValueError: bad batch')
     assert failure.could_be_a_bug(worker) and failure.innermost_frame(worker) == (task, 7)
+    # Where a report says a bug was raised: its innermost frame, and task.py's call where that is deeper (torch's
+    # error for an argument task.py gave it).
+    assert failure.Crash.of(raised_in(task, "1 / 0"), default_project).where == "task.py:1"
+    small_cnn = baked_module("task").small_cnn
+    try:
+        small_cnn(SimpleNamespace(task=SimpleNamespace(num_classes="ten")), None)
+    except TypeError as error:
+        raised = failure.Crash.of(error, default_project).where
+    line = next(number for number, text in enumerate(task.read_text().splitlines(), start=1)
+                if "nn.Linear(4 * width * 4, options.task.num_classes)" in text)
+    assert re.fullmatch(rf"\w+\.py:\d+ \(from task\.py:{line}\)", raised) and not raised.startswith("task.py"), raised
 
 
 def test_only_a_torn_checkpoint_is_set_aside_and_any_other_that_fails_stops_the_job(baked_module, tmp_path,

@@ -191,6 +191,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     meter = build_meter(options, env, device, planned, done_steps=progress.step, unit=task.throughput_unit,
                         flops_per_unit=task.model_flops_per_unit(model, options),
                         changed_options=checkpointer.changed_options)
+    work_every = task.work_every(options)  # 0: the task has no work for rank 0 alone
     stop_requested = False
 
     while True:
@@ -231,8 +232,8 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
             profiler.before_step(progress.step + 1)  # before the beat: a profiled step is a slow one
 {%- endif %}
             watchdog.beat(progress.step)
-            if task.rank_0_work and progress.step % task.rank_0_work[0] == 0:  # samples, a figure, every N steps
-                with watchdog.slow_phase("the task's work on rank 0"):
+            if work_every and progress.step % work_every == 0:  # samples, a figure: Task.rank_0_work's
+                with watchdog.slow_phase("the task's work on rank 0"), meter.excluded():
                     task.work_alone(step, env, device)
             if progress.step == first_step and check_replicas_match(model, progress.step, step.without_gradient):
                 log.info("step %d: every rank holds the same parameters", progress.step)  # again at each save

@@ -4,6 +4,7 @@ a progress bar, and written by rank 0 to metrics.jsonl and a tracker."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
@@ -251,6 +252,15 @@ class TrainingMeter:
         if self.metrics_log is not None:
             self.metrics_log.write("train", step, row)
         self.reset()
+
+    @contextlib.contextmanager
+    def excluded(self):
+        """Time that is not training (the task's work on rank 0), left out of the throughput."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused += time.perf_counter() - started
 
     def log_evaluation(self, step: int, epoch: int, metrics: dict[str, float]) -> None:
         """One line and one row of whatever task.summarize returned, e.g. eval loss 0.51 | accuracy 0.83."""

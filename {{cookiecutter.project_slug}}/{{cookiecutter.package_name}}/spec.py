@@ -106,14 +106,15 @@ class Task:
     # What export writes, made from the weights it read (the model's, or evaluate_with's over them) and the run's
     # task options: LoRA adapters merged into their base, say. None: those weights as they are.
     export_weights: Callable[[dict[str, torch.Tensor], Any], dict[str, torch.Tensor]] | None = None
-    # Work one rank does alone every N optimizer steps (sample images, a figure, an upload): (N, work). After
-    # steps N, 2N, ... work(step, generator) runs on rank 0 while every other rank waits for it, in a phase the
-    # watchdog allows --io-timeout. Its random draws come from `generator` (seeded from --seed and the step), and
-    # torch's own generators are put back as they were after it: nothing it draws changes the training run. It runs
-    # with the model in eval mode (put back after), without gradients, under the run's autocast; run step.model (not
-    # step.networks, which may be compiled). Under FSDP2 rank 0 gathers the whole model first (its memory, for the
+    # Work one rank does alone every N optimizer steps (sample images, a figure, an upload): (N, work), N a number
+    # or the name of a TaskOptions field (a flag). After steps N, 2N, ... work(step, generator) runs on rank 0 while
+    # every other rank waits for it, in a phase the watchdog allows --io-timeout, left out of the logged throughput.
+    # Its random draws come from `generator` (seeded from --seed and the step), and torch's own generators are put
+    # back as they were after it: nothing it draws changes the training run. step.model holds the weights evaluation
+    # uses (evaluate_with's: the EMA), in eval mode, without gradients, under the run's autocast; run it, not
+    # step.networks (which may be compiled). Under FSDP2 rank 0 gathers the whole model first (its memory, for the
     # work's length), so that it can run it alone; its state_dict() would reshard it there, on rank 0 alone.
-    rank_0_work: tuple[int, Callable[[Any, torch.Generator], None]] | None = None
+    rank_0_work: tuple[int | str, Callable[[Any, torch.Generator], None]] | None = None
     # The task's own batches (length buckets, a token budget: any number of samples each). batches(dataset,
     # options, epoch) -> the epoch's batches, each a list of sample indices, the same list on every rank (draw
     # from options.seed and epoch; --batch-size is then unused). Ranks take them in turn, --grad-accum each a
@@ -159,9 +160,10 @@ class Task:
         if self.evaluate_with is not None and self.state is None:
             raise TypeError(f"Task(evaluate_with={self.evaluate_with!r}) names an entry of Task(state=...), which "
                             "is not given")
-        if self.rank_0_work is not None and not (isinstance(self.rank_0_work, tuple) and len(self.rank_0_work) == 2
-                                                 and isinstance(self.rank_0_work[0], int) and self.rank_0_work[0] >= 1):
-            raise TypeError(f"Task(rank_0_work=...) is (every N steps, work), N >= 1; got {self.rank_0_work!r}")
+        every = self.rank_0_work[0] if isinstance(self.rank_0_work, tuple) and len(self.rank_0_work) == 2 else None
+        if self.rank_0_work is not None and not (isinstance(every, str) or isinstance(every, int) and every >= 1):
+            raise TypeError(f"Task(rank_0_work=...) is (every N steps, work), N >= 1 or the name of a TaskOptions "
+                            f"field; got {self.rank_0_work!r}")
         if not set(self.prepare_data) <= set(self.datasets):
             unknown = sorted(set(self.prepare_data) - set(self.datasets))
             raise TypeError(f"Task(prepare_data=...) names {unknown}, which are not in datasets")
@@ -173,7 +175,19 @@ class Task:
         if self.model_builder(options.task.model) is None:
             every_model = {**(self.more_models() if self.more_models else {}), **self.models}
             raise UsageError(self.unknown_name("model", options.task.model, every_model))
+        if self.rank_0_work is not None and isinstance(self.rank_0_work[0], str):
+            every = getattr(options.task, self.rank_0_work[0], None)
+            if not isinstance(every, int) or every < 0:
+                raise UsageError(f"Task(rank_0_work=({self.rank_0_work[0]!r}, ...)) names a TaskOptions field for its "
+                                 f"steps; it holds {every!r}: give it an int option, >= 1 (0: never)")
         self.check_options(options)
+
+    def work_every(self, options: TrainOptions) -> int:
+        """After how many optimizer steps rank_0_work's work runs again; 0: never."""
+        if self.rank_0_work is None:
+            return 0
+        every = self.rank_0_work[0]
+        return getattr(options.task, every) if isinstance(every, str) else every
 
     def build_datasets(self, options: TrainOptions, env: DistEnv, device: torch.device) -> tuple[Dataset, Dataset]:
         prepare = self.prepare_data.get(options.task.data)
@@ -207,11 +221,12 @@ class Task:
         return state[self.evaluate_with].swapped_into(model)
 
     def work_alone(self, step: Any, env: DistEnv, device: torch.device) -> None:
-        """Task.rank_0_work's work after step.number: on rank 0, with a generator of its own, the model in eval mode,
-        without gradients, under the run's autocast, then torch's generators and the modules' modes restored, while
-        the other ranks wait for it in a barrier; an FSDP2 model gathered whole for it."""
+        """Task.rank_0_work's work after step.number: on rank 0, with a generator of its own, the model with the
+        evaluation's weights in eval mode, without gradients, under the run's autocast, then torch's generators and
+        the modules' modes restored, while the other ranks wait for it in a barrier. Every rank swaps the weights in
+        (an EMA's shards, under FSDP2), then gathers an FSDP2 model whole for rank 0."""
         modes = [(module, module.training) for module in step.model.modules()]
-        with whole_model(step.model, keep=env.rank == 0):
+        with self.evaluation_weights(step.model, step.state), whole_model(step.model, keep=env.rank == 0):
             if env.rank == 0:
                 try:
                     step.model.eval()  # no dropout, and no BatchNorm statistics that rank 0 alone would update

@@ -122,6 +122,10 @@ class Crash:
     def of(cls, error: BaseException, ckpt_dir: Path) -> Crash:
         frame = innermost_frame(error)
         where = f"{frame[0].name}:{frame[1]}" if frame else "?"
+        calls = [call for call in traceback.extract_tb(error.__traceback__)
+                 if Path(call.filename).resolve() == PACKAGE_ROOT / "task.py"]
+        if frame and calls and Path(calls[-1].filename).resolve() != frame[0].resolve():  # raised below task.py
+            where += f" (from task.py:{calls[-1].lineno})"
         message = str(error).strip().splitlines()[0] if str(error).strip() else ""
         return cls(f"{type(error).__name__}: {message}", where, **conditions_now(ckpt_dir))
 
