@@ -365,6 +365,15 @@ def test_the_dict_batch_example_trains_resumes_and_counts_words(bake, tmp_path):
     trained = [int(line) for line in (tmp_path / "samples" / "rank-0.txt").read_text().split()]
     assert trained == [index for batch in batches[8:14] for index in batch]
     assert checkpoint(resized, 10)["samples_seen"] == sum(map(len, batches[:14]))
+    # Under FSDP2 the same batches train the same model (up to the order of additions), and count the same.
+    fsdp2 = run_job(project, [*smoke_test_args(project), *flags(log_every=8, max_steps=24, ckpt_every=4,
+                                                                ckpt_dir=tmp_path / "fsdp2", strategy="fsdp2")])
+    assert fsdp2.returncode == 0, fsdp2.stderr[-4000:]
+    sharded, final = checkpoint_state(tmp_path / "fsdp2", 24, tmp_path), checkpoint(tmp_path / "uninterrupted", 24)
+    assert sharded["progress"]["samples_seen"] == final["samples_seen"]
+    assert sharded["model"].keys() == final["model"].keys()
+    for name, tensor in final["model"].items():
+        assert (sharded["model"][name] - tensor).abs().max() < 1e-5, name
 
 
 # The example's summarize, checked: one row per evaluated sample (the sums count 129 held-out samples: the log
