@@ -227,7 +227,7 @@ def session_timeout() -> timedelta:
 
 def side_group() -> dist.ProcessGroup | None:
     """A gloo group of every rank beside the main one, for the loop's small agreements on CPU (stop after the
-    same step, a streamed epoch's end), each issued asynchronously one step ahead so that it never waits on
+    same step{% if cookiecutter.use_streaming == "yes" %}, a streamed epoch's end{% endif %}), each issued asynchronously one step ahead so that it never waits on
     the GPU, nor the GPU on it; None without a process group. One for the whole job: another group would be
     another set of connections."""
     return SIDE_GROUP[0] if SIDE_GROUP else None

@@ -243,8 +243,8 @@ RESERVED_NAMES = {"world_size", "entries", "options", "progress", "torch_rng_sta
 class Checkpointer:
     """Saving and resuming, whichever files hold the state. `components` are what a checkpoint holds besides
     progress: anything with state_dict/load_state_dict (model, optimizer, lr schedule, gradient scaler). Add
-    yours where train.py calls build_checkpointer. A component whose state is spread over the ranks (a stream's
-    position) also has gather_from_ranks(), called on every rank before each save (a collective).
+    yours where train.py calls build_checkpointer. A component whose state is spread over the ranks (each rank's
+    place in a stream) also has gather_from_ranks(), called on every rank before each save (a collective).
 
     A subclass writes one step (`write`) and finds and reads the newest valid one (`find_newest`, `read`);
     saving once per step, the order of restoring and the log lines are here."""
@@ -282,7 +282,7 @@ class Checkpointer:
             started = time.perf_counter()
             check_replicas_match(self.components["model"], progress.step)  # never save one rank's model of several
             check_finite(self.components["model"], progress.step)  # nor a NaN one
-            for component in self.components.values():  # state spread over ranks (a stream's position)
+            for component in self.components.values():  # state spread over ranks (each rank's place in a stream)
                 if hasattr(component, "gather_from_ranks"):
                     component.gather_from_ranks()
             sync_buffers_from_main(self.components["model"])  # one canonical copy of BatchNorm statistics
