@@ -579,6 +579,19 @@ def test_a_contrastive_loss_logs_its_temperature_keeps_its_clamp_and_says_what_i
     assert resize.returncode == 0 and line in resize.stderr, resize.stderr[-4000:]
 
 
+def test_the_work_before_an_evaluation_is_left_out_of_the_throughput_once(baked_module, monkeypatch):
+    import torch
+
+    metrics = baked_module("metrics")
+    now = iter([0.0, 10.0, 30.0, 35.0])  # reset; the work from 10 s to 30 s; the evaluation's end at 35 s
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(now))
+    meter = metrics.TrainingMeter(torch.device("cpu"), 10, None, None)
+    with meter.excluded():
+        pass
+    meter.log_evaluation(10, 1, {"loss": 1.0, "samples": 4})
+    assert meter.paused == 25.0  # 20 s of work, then 5 s of evaluation: the work once, not again in the evaluation
+
+
 def test_what_a_coupled_batch_becomes_is_said_and_step_log_takes_one_number_per_name(baked_module, caplog):
     import torch
     from torch import nn

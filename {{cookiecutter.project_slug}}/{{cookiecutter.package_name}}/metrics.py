@@ -169,7 +169,7 @@ class TrainingMeter:
         self.steps = 0
         self.units = torch.zeros((), device=self.device, dtype=torch.float64)  # this rank's, since the last line
         self.data_wait = 0.0
-        self.paused = 0.0  # evaluation inside the interval: not training time
+        self.paused = 0.0  # evaluation and the task's work inside the interval: not training time
         self.started = self.last_step_end = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -260,7 +260,9 @@ class TrainingMeter:
         try:
             yield
         finally:
-            self.paused += time.perf_counter() - started
+            # An evaluation after it leaves out the time since then only: this much is left out already.
+            self.last_step_end = time.perf_counter()
+            self.paused += self.last_step_end - started
 
     def log_evaluation(self, step: int, epoch: int, metrics: dict[str, float]) -> None:
         """One line and one row of whatever task.summarize returned, e.g. eval loss 0.51 | accuracy 0.83."""
