@@ -683,7 +683,9 @@ def sorted_imports(project: Path, relative: str, text: str) -> str:
     ruff = Path(sys.executable).parent / "ruff"
     result = subprocess.run([str(ruff), "check", "--select", "I", "--fix", "--quiet", "--stdin-filename", relative,
                              "-"], input=text, cwd=project, capture_output=True, text=True, check=False)
-    return result.stdout if result.stdout else text
+    if not result.stdout:
+        sys.exit(f"{relative}: ruff could not sort its imports: {result.stderr.strip()}")
+    return result.stdout
 
 
 def diff_of(project: Path, recipe: dict[str, list[tuple[str, str]]], streaming: bool) -> str:
