@@ -26,8 +26,9 @@ def scratch_dir(prefix: str = "ddp-bench-") -> Path:
     return path
 
 
-def bake_default_project() -> Path:
-    return Path(cookiecutter(str(TEMPLATE_ROOT), no_input=True, output_dir=str(scratch_dir())))
+def bake_default_project(**answers: str) -> Path:
+    """The template with its default answers, but for `answers` (the optional parts a benchmark runs)."""
+    return Path(cookiecutter(str(TEMPLATE_ROOT), no_input=True, output_dir=str(scratch_dir()), extra_context=answers))
 
 
 def spread(values: list[float], figure: str = ".2f") -> str:

@@ -3,8 +3,8 @@
     python benchmarks/gpu_check.py --out gpu_check.md            # one GPU, estimated 7-9 minutes on an H200
     python benchmarks/gpu_check.py --dry-run --out /tmp/dry.md   # CPU, gloo, tiny sizes (the test suite runs it)
 
-Needs only torch, torchvision and cookiecutter. It bakes the template with its defaults into a temporary
-folder and runs, one rank each under torchrun (NCCL on a GPU):
+Needs only torch, torchvision and cookiecutter. It bakes the template with its defaults, the preflight
+added, into a temporary folder and runs, one rank each under torchrun (NCCL on a GPU):
 
 - the preflight (rank map, device, all-reduce);
 - pure compute and the bare DDP loop of bare_ddp_loop.py, at the settings of the bf16 channels-last row;
@@ -214,7 +214,7 @@ def ratio(row: Row, baseline: Row, goal: str) -> str:
 
 def run_check(dry_run: bool) -> list[Row]:
     settings = Settings.for_run(dry_run)
-    project = bake_default_project()
+    project = bake_default_project(use_preflight="yes")  # its first row
     check = Check(project, settings, dry_run)
     check.scratch.mkdir()
     print(f"baked {project}; {settings}", flush=True)

@@ -78,6 +78,19 @@ def default_project(cookies_session) -> Path:
     return result.project_path
 
 
+# The optional parts with Python of their own, which the default bake leaves out.
+OPTIONAL_PARTS = {"use_preflight": "yes", "use_profiling": "yes", "use_export": "yes", "use_trackers": "yes"}
+
+
+@pytest.fixture(scope="session")
+def full_project(cookies_session) -> Path:
+    """The default project with every optional part of its own Python (preflight, profiling, export, trackers),
+    shared by the tests of those parts and by the tests that import the package into this process."""
+    result = cookies_session.bake(extra_context=OPTIONAL_PARTS)
+    assert result.exit_code == 0, result.exception
+    return result.project_path
+
+
 @pytest.fixture(scope="session")
 def bake(cookies_session):
     """Bake with extra answers; fails the test if baking fails."""
@@ -89,22 +102,23 @@ def bake(cookies_session):
 
 
 @pytest.fixture
-def baked_module(default_project, monkeypatch):
-    """Import a module of the default project's package into this process (what needs no torch.distributed)."""
-    monkeypatch.syspath_prepend(str(default_project))
+def baked_module(full_project, monkeypatch):
+    """Import a module of the full project's package into this process (what needs no torch.distributed)."""
+    monkeypatch.syspath_prepend(str(full_project))
     return lambda name: importlib.import_module(f"ddp_training.{name}")
 
 
 @pytest.fixture(scope="session")
-def baked_train(default_project):
-    """The baked train.py imported into this process, so that what main(argv) does before training starts
-    (--help, a usage error) is checked without starting a Python process (importing torch takes seconds)."""
-    sys.path.insert(0, str(default_project))
-    spec = importlib.util.spec_from_file_location("baked_train", default_project / "train.py")
+def baked_train(full_project):
+    """The full project's train.py imported into this process (with the package baked_module imports), so that
+    what main(argv) does before training starts (--help, a usage error) is checked without starting a Python
+    process (importing torch takes seconds)."""
+    sys.path.insert(0, str(full_project))
+    spec = importlib.util.spec_from_file_location("baked_train", full_project / "train.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     yield module
-    sys.path.remove(str(default_project))
+    sys.path.remove(str(full_project))
 
 
 @pytest.fixture(scope="session")

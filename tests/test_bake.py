@@ -31,7 +31,7 @@ DEFAULT_FILES = {
     ".cookiecutter.json", ".dockerignore", ".gitignore", "Dockerfile", "MANIFEST.in", "README.md", "pyproject.toml",
     "run_node.sh", "train.py",
     "slurm/train.sbatch",
-    *(f"docs/{name}.md" for name in ("containers-and-schedulers", "experiments", "export", "failures", "monitoring",
+    *(f"docs/{name}.md" for name in ("containers-and-schedulers", "experiments", "failures", "monitoring",
                                      "performance", "several-machines")),
     *(f"examples/{name}/{file}" for name in ("regression", "dict-batches", "whole-set-metric", "gan", "distillation",
                                              "lora", "two-optimizers", "ema", "loss-weight", "contrastive",
@@ -39,8 +39,7 @@ DEFAULT_FILES = {
       for file in ("README.md", "change.diff")),
     "tests/harness.py", "tests/test_smoke.py",
     *(f"ddp_training/{name}.py" for name in
-      ("__init__", "data", "evaluation", "export", "metrics", "optim", "options", "parallel", "preflight",
-       "profiling", "selection", "spec", "task", "trackers")),
+      ("__init__", "data", "evaluation", "metrics", "optim", "options", "parallel", "selection", "spec", "task")),
     # The engine: what every run uses, importing nothing around it.
     *(f"ddp_training/engine/{name}.py" for name in
       ("__init__", "checkpoint/__init__", "checkpoint/common", "checkpoint/replicated", "checkpoint/sharded",
@@ -102,8 +101,11 @@ def test_default_bake_has_exact_file_set(default_project):
     assert project_files(default_project) == DEFAULT_FILES
 
 
-def test_default_bake_is_fully_rendered(default_project):
+def test_default_and_full_bakes_are_fully_rendered(default_project, full_project):
     assert_fully_rendered(default_project)
+    assert_fully_rendered(full_project)  # every optional part with Python of its own
+    assert project_files(full_project) - project_files(default_project) == {
+        "docs/export.md", *(f"ddp_training/{name}.py" for name in ("export", "preflight", "profiling", "trackers"))}
 
 
 def test_scripts_are_executable(default_project):
@@ -182,8 +184,8 @@ def test_recorded_answers_are_every_answer_given(default_project):
     assert json.loads((default_project / ".cookiecutter.json").read_text()) == {
         "project_name": "DDP Training", "project_slug": "ddp-training", "package_name": "ddp_training",
         "author": "Your Name", "nnodes": "1", "nproc_per_node": "auto", "rdzv_port": "29400", "max_restarts": "3",
-        "gpus_per_node": "8", "use_slurm": "yes", "use_kubernetes": "no", "use_docker": "yes", "use_preflight": "yes",
-        "use_profiling": "yes", "use_export": "yes", "use_trackers": "yes", "use_streaming": "no",
+        "gpus_per_node": "8", "use_slurm": "yes", "use_kubernetes": "no", "use_docker": "yes", "use_preflight": "no",
+        "use_profiling": "no", "use_export": "no", "use_trackers": "no", "use_streaming": "no",
         "strategy": "ddp", "task": "image_classification"}
 
 
@@ -239,9 +241,10 @@ def test_help_shows_each_default_once(baked_train, capsys, monkeypatch):
     assert re.search(r"--max-steps MAX_STEPS\s+stop after.*?\(default: no limit\)", result.stdout, re.DOTALL)
 
 
-def test_generated_project_is_lint_clean(default_project):
-    ruff = run(["ruff", "check", "."], cwd=default_project)
-    assert ruff.returncode == 0, ruff.stdout + ruff.stderr
+def test_generated_project_is_lint_clean(default_project, full_project):
+    for project in (default_project, full_project):
+        ruff = run(["ruff", "check", "."], cwd=project)
+        assert ruff.returncode == 0, ruff.stdout + ruff.stderr
     shellcheck = run(["shellcheck", "run_node.sh"], cwd=default_project)
     assert shellcheck.returncode == 0, shellcheck.stdout + shellcheck.stderr
 
@@ -276,7 +279,8 @@ def test_strategy_answer_is_the_default_of_the_strategy_flag(bake, strategy):
 
 def test_only_task_py_and_the_docs_differ_between_the_tasks(bake):
     # The package's machinery names no task: options, checkpoints, loop and tests are the same for every task.
-    default_project, language_model = bake(), bake(task="language_model")  # fresh: others run the shared one
+    # Fresh bakes (others run the shared one), with export: its docs name the task's model options.
+    default_project, language_model = bake(use_export="yes"), bake(task="language_model", use_export="yes")
     image_examples = {name for name in project_files(default_project)  # their diffs edit the image task's task.py
                       if name.split("/")[:2] in (["examples", example] for example in POST_GEN.IMAGE_TASK_EXAMPLES)}
     assert image_examples and project_files(language_model) == project_files(default_project) - image_examples

@@ -31,7 +31,7 @@ EXPERIMENT = dict(fake_samples=160, num_workers=0, max_steps=None, epochs=20, lo
 
 @pytest.mark.slow
 def test_a_config_file_reproduces_a_run_whose_best_checkpoint_is_kept_and_which_stops_early(
-        default_project, baked_train, tmp_path, capsys):
+        full_project, baked_train, tmp_path, capsys):
     uninterrupted, killed = tmp_path / "uninterrupted", tmp_path / "killed"
     printed = main_in_this_process(baked_train, [*tiny_run(**EXPERIMENT, ckpt_dir=uninterrupted), "--print-config"],
                                    capsys)
@@ -40,7 +40,7 @@ def test_a_config_file_reproduces_a_run_whose_best_checkpoint_is_kept_and_which_
     config.write_text(printed.stdout)
     resolved = yaml.safe_load(printed.stdout)
     # The file alone, plus a profile of steps 2 and 3 (which changes no number: the bitwise check below).
-    result = run_job(default_project, ["--config", str(config), "--profile-steps", "2:2", "--log-dir",
+    result = run_job(full_project, ["--config", str(config), "--profile-steps", "2:2", "--log-dir",
                                        str(tmp_path / "logs")])
     assert result.returncode == 0, result.stderr[-4000:]
     assert "early stop: 2 evaluations without a better loss" in result.stderr, result.stderr[-4000:]
@@ -61,7 +61,7 @@ def test_a_config_file_reproduces_a_run_whose_best_checkpoint_is_kept_and_which_
     # each epoch's end, before its evaluation. A worker is killed after step 20's, and the resume evaluates step
     # 20 (no better: patience 1 of 2). Step 30's checkpoint is written before its evaluation too, and again after
     # it, to hold the early stop's count.
-    job = start_job(default_project, ["--config", str(config), "--ckpt-dir", str(killed), "--ckpt-every", "10"],
+    job = start_job(full_project, ["--config", str(config), "--ckpt-dir", str(killed), "--ckpt-every", "10"],
                     max_restarts=1)
     output = kill_a_worker_and_finish(job, killed / "step-20.pt")
     assert output.count("early stop: 2 evaluations without a better loss") == 1, output[-4000:]
@@ -75,7 +75,7 @@ def test_a_config_file_reproduces_a_run_whose_best_checkpoint_is_kept_and_which_
                                     "best_value": expected["selection"]["best_value"]}
 
     exported = run(["python", "-m", "ddp_training.export", "--best", str(killed), str(tmp_path / "best.pt")],
-                   cwd=default_project)
+                   cwd=full_project)
     assert exported.returncode == 0 and f"from {killed / 'step-10.pt'}" in exported.stdout, exported.stderr
     best = torch.load(tmp_path / "best.pt", weights_only=True)
     for name, tensor in checkpoint(killed, 10)["model"].items():

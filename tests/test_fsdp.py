@@ -27,7 +27,7 @@ RUN = dict(num_workers=0, log_every=4)
 
 @pytest.fixture(scope="module")
 def fsdp_project(bake) -> Path:
-    return bake(strategy="fsdp2")
+    return bake(strategy="fsdp2", use_export="yes")
 
 
 def launch(project: Path, nproc: int, **options: object) -> subprocess.CompletedProcess:

@@ -64,13 +64,14 @@ FOUND_IN_TRAIN = ("--fake-samples",)
 
 
 @pytest.mark.parametrize("args, expected", BAD_OPTIONS, ids=[" ".join(a) for a, _ in BAD_OPTIONS])
-def test_bad_option_is_one_clear_line(default_project, baked_train, tmp_path, args, expected, capsys, monkeypatch):
+def test_bad_option_is_one_clear_line(default_project, full_project, baked_train, tmp_path, args, expected, capsys,
+                                      monkeypatch):
     (tmp_path / "a-file").write_text("not a folder")
     args = [*TINY, "--ckpt-dir", str(tmp_path / "ckpt"), *(arg.format(tmp=tmp_path) for arg in args)]
     if args[-2] in FOUND_IN_TRAIN or args[-4] in FOUND_IN_TRAIN:
         result = run_job(default_project, args, via="python", nproc=1)
     else:
-        monkeypatch.chdir(default_project)
+        monkeypatch.chdir(full_project)  # baked_train's
         result = main_in_this_process(baked_train, args, capsys)
     assert_one_error_line(result, expected.format(tmp=tmp_path))
 
@@ -143,8 +144,8 @@ def test_run_node_refuses_a_launch_that_cannot_work(default_project, environment
     assert len(lines) == 1 and lines[0].startswith(expected), result.stderr
 
 
-def test_preflight_refuses_to_run_without_torchrun(default_project):
-    result = run(["python", "-m", "ddp_training.preflight"], cwd=default_project)
+def test_preflight_refuses_to_run_without_torchrun(full_project):
+    result = run(["python", "-m", "ddp_training.preflight"], cwd=full_project)
     assert_one_error_line(result, "error: run the preflight under torchrun")
 
 
@@ -275,7 +276,7 @@ def test_a_lost_peer_or_a_taken_port_is_one_line_that_says_what_happens_next(bak
 
 
 def test_an_error_in_the_projects_own_files_or_at_start_up_and_no_machine_fault_can_be_a_bug(baked_module,
-                                                                                         default_project, monkeypatch):
+                                                                                         full_project, monkeypatch):
     # Raised by code compiled as if it were in these files: the innermost frame decides, and the kind of error.
     import torch
     import torch.distributed as dist
@@ -289,11 +290,11 @@ def test_an_error_in_the_projects_own_files_or_at_start_up_and_no_machine_fault_
             return error
         raise AssertionError(statement)
 
-    task, train = default_project / "ddp_training" / "task.py", default_project / "train.py"
+    task, train = full_project / "ddp_training" / "task.py", full_project / "train.py"
     library = Path(torch.__file__).parent / "nn" / "functional.py"
     # A bug is reported as known until the code changes: the code is train.py and the whole package, the engine
     # (where failure.py lives) and task.py alike.
-    every_file = sorted([train, *(default_project / "ddp_training").rglob("*.py")])
+    every_file = sorted([train, *(full_project / "ddp_training").rglob("*.py")])
     assert task in every_file and failure.code_hash() == hashlib.sha256(
         b"".join(path.read_bytes() for path in every_file)).hexdigest()[:16]
     assert failure.could_be_a_bug(raised_in(task, "1 / 0"))
@@ -318,12 +319,12 @@ def test_an_error_in_the_projects_own_files_or_at_start_up_and_no_machine_fault_
     assert failure.could_be_a_bug(worker) and failure.innermost_frame(worker) == (task, 7)
     # Where a report says a bug was raised: its innermost frame, and task.py's call where that is deeper (torch's
     # error for an argument task.py gave it).
-    assert failure.Crash.of(raised_in(task, "1 / 0"), default_project).where == "task.py:1"
+    assert failure.Crash.of(raised_in(task, "1 / 0"), full_project).where == "task.py:1"
     small_cnn = baked_module("task").small_cnn
     try:
         small_cnn(SimpleNamespace(task=SimpleNamespace(num_classes="ten")), None)
     except TypeError as error:
-        raised = failure.Crash.of(error, default_project).where
+        raised = failure.Crash.of(error, full_project).where
     line = next(number for number, text in enumerate(task.read_text().splitlines(), start=1)
                 if "nn.Linear(4 * width * 4, options.task.num_classes)" in text)
     assert re.fullmatch(rf"\w+\.py:\d+ \(from task\.py:{line}\)", raised) and not raised.startswith("task.py"), raised

@@ -81,7 +81,7 @@ def test_language_model_trains_on_a_text_file(uninterrupted):
 
 
 def test_fsdp2_token_files_resume_on_another_world_size_and_export(bake, text_dir, tmp_path):
-    project = bake(task="language_model", strategy="fsdp2", project_name="LM FSDP")
+    project = bake(task="language_model", strategy="fsdp2", project_name="LM FSDP", use_export="yes")
     tokens = tmp_path / "tokens"
     tokens.mkdir()
     for split, name in (("train", "train.txt"), ("val", "val.txt")):  # nanoGPT's format: uint16 token ids

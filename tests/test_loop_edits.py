@@ -40,7 +40,7 @@ def patch(project: Path, diff: str, *options: str) -> str:
 
 @pytest.fixture(scope="module")
 def edited_project(bake) -> Path:
-    project = bake(project_name="Loop Edits")
+    project = bake(project_name="Loop Edits", use_export="yes")
     for name in EDITS:  # each applies to the project as baked
         patch(project, example_diff(project, name), "--dry-run")
     for name in EDITS:  # and all three together

@@ -121,9 +121,9 @@ def test_another_rdzv_id_on_the_same_endpoint_does_not_join(default_project, hos
     assert "RendezvousTimeoutError" in outputs[1] or "RendezvousConnectionError" in outputs[1], outputs[1]
 
 
-def test_preflight_passes_across_two_hosts(default_project, hosts):
+def test_preflight_passes_across_two_hosts(full_project, hosts):
     endpoint = f"{hosts[0][1]}:29403"
-    nodes = [start_on_host(namespace, default_project, ["--preflight", "--device", "cpu", "--megabytes", "8"],
+    nodes = [start_on_host(namespace, full_project, ["--preflight", "--device", "cpu", "--megabytes", "8"],
                            NNODES="2", nproc=2, RDZV_ENDPOINT=endpoint, RDZV_ID="preflight")
              for namespace, _ in hosts]
     outputs = finish(nodes)

@@ -447,7 +447,7 @@ def test_networks_stepped_in_turn_and_a_frozen_teacher_need_task_py_alone(bake, 
     weights and every rank's generators (what the optimizers' state and the draws after the restart decide),
     since on 2 CPU ranks FSDP2 adds the same two gradients as DDP, and its checkpoint keys the optimizer state by
     name. (A DDP job killed the same way is the restart path of tests/test_fault_tolerance.py, any task's.)"""
-    project = bake(project_name=f"Shape {model}")
+    project = bake(project_name=f"Shape {model}", use_export="yes")  # LoRA exports its merged weights
     apply_example(project, SHAPES[model])
     assert f"--model {model}" in " ".join(smoke_test_args(project))
     own = run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "own")],

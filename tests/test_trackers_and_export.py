@@ -90,7 +90,7 @@ def mlflow_history(tracking_uri: str) -> tuple[list, list[int], list[int]]:
 @pytest.mark.slow
 # MLflow's on one rank of 16: the same steps and samples as two of 8, for two processes fewer per attempt.
 @pytest.mark.parametrize("tracker, ranks", [("wandb", 2), ("mlflow", 1)])
-def test_a_killed_and_resumed_job_is_one_tracker_run_without_a_step_twice(default_project, tmp_path, tracker, ranks,
+def test_a_killed_and_resumed_job_is_one_tracker_run_without_a_step_twice(full_project, tmp_path, tracker, ranks,
                                                                         monkeypatch):
     ckpt_dir = tmp_path / "ckpt"
     environment = ({"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
@@ -99,10 +99,10 @@ def test_a_killed_and_resumed_job_is_one_tracker_run_without_a_step_twice(defaul
     # Rank 0, the one sending to the tracker, killed after step 8's checkpoint: torchrun restarts the group,
     # which redoes steps 9 to the kill.
     run = dict(RUN, batch_size=16 // ranks, ckpt_dir=ckpt_dir, tracker=tracker)
-    killed = start_job(default_project, tiny_run(**run, max_steps=16), nproc=ranks, max_restarts=1, **environment)
+    killed = start_job(full_project, tiny_run(**run, max_steps=16), nproc=ranks, max_restarts=1, **environment)
     kill_a_worker_and_finish(killed, ckpt_dir / "step-8.pt", which=0)
     # Then the job again with a higher step limit and another lr, as after a SIGTERM or a requeue.
-    resumed = run_job(default_project, tiny_run(**run, max_steps=24, lr=0.02), nproc=ranks, **environment)
+    resumed = run_job(full_project, tiny_run(**run, max_steps=24, lr=0.02), nproc=ranks, **environment)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "--tracker" not in resumed.stderr, resumed.stderr[-3000:]  # no warning
 
@@ -158,7 +158,7 @@ def test_a_partial_store_left_under_this_process_id_is_made_anew(baked_module, t
 
 
 @pytest.mark.slow
-def test_a_kill_while_a_new_mlflow_store_is_made_leaves_it_readable(default_project, tmp_path):
+def test_a_kill_while_a_new_mlflow_store_is_made_leaves_it_readable(full_project, tmp_path):
     # A fresh sqlite store takes MLflow a second or more of schema migrations to make, in rank 0's tracker thread
     # while training runs: rank 0 is killed (kill -9) once the store's file has 200 kB of its ~1 MB, mid-migration
     # (a kill there left "table trace_info already exists" for every later client in 7 of 8 tries), and torchrun
@@ -167,7 +167,7 @@ def test_a_kill_while_a_new_mlflow_store_is_made_leaves_it_readable(default_proj
     environment = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
     run = dict(RUN, batch_size=16, ckpt_dir=tmp_path / "ckpt", ckpt_every=200, tracker="mlflow", max_steps=400,
                epochs=25, eval_every=0, log_every=10)
-    job = start_job(default_project, tiny_run(**run), nproc=1, max_restarts=1, **environment)
+    job = start_job(full_project, tiny_run(**run), nproc=1, max_restarts=1, **environment)
     deadline = time.monotonic() + 120
     while max(store_sizes(tmp_path), default=0) <= 200_000:
         assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0][-3000:]
@@ -185,11 +185,11 @@ def test_a_kill_while_a_new_mlflow_store_is_made_leaves_it_readable(default_proj
 @pytest.mark.slow
 @pytest.mark.starts_first  # W&B gives up on a server that is down after about 40 s: mostly waiting, overlapped
 @pytest.mark.parametrize("tracker", ["wandb", "mlflow"])
-def test_a_tracker_that_cannot_be_reached_costs_one_warning(default_project, tmp_path, tracker):
+def test_a_tracker_that_cannot_be_reached_costs_one_warning(full_project, tmp_path, tracker):
     nobody = f"http://127.0.0.1:{free_port()}"  # a server that is down
     environment = ({"WANDB_MODE": "online", "WANDB_BASE_URL": nobody, "WANDB_API_KEY": "0" * 40,
                     "WANDB_DIR": str(tmp_path)} if tracker == "wandb" else {"MLFLOW_TRACKING_URI": nobody})
-    result = run_job(default_project, tiny_run(**RUN, max_steps=4, ckpt_dir=tmp_path, tracker=tracker),
+    result = run_job(full_project, tiny_run(**RUN, max_steps=4, ckpt_dir=tmp_path, tracker=tracker),
                      via="python", nproc=1, **environment)
     assert result.returncode == 0, result.stderr[-3000:]
     warnings = [line for line in result.stderr.splitlines() if "--tracker:" in line]
@@ -198,7 +198,7 @@ def test_a_tracker_that_cannot_be_reached_costs_one_warning(default_project, tmp
 
 
 @pytest.mark.slow
-def test_exported_safetensors_load_back_bitwise_as_the_readme_shows(default_project, uninterrupted_bare,
+def test_exported_safetensors_load_back_bitwise_as_the_readme_shows(full_project, uninterrupted_bare,
                                                                     baked_module, tmp_path, monkeypatch, capsys):
     baked_module("export").main([str(uninterrupted_bare / "step-40.pt"), str(tmp_path / "model.pt")])
     assert "to " + str(tmp_path / "model.pt") + ", model.safetensors and model.json" in capsys.readouterr().out
@@ -214,7 +214,7 @@ def test_exported_safetensors_load_back_bitwise_as_the_readme_shows(default_proj
     # The README's lines, run as they are in the folder the export wrote.
     monkeypatch.chdir(tmp_path)
     namespace = {}
-    exec(readme_block(default_project, "python", "# Weights others can load", "docs/export.md"), namespace)  # noqa: S102
+    exec(readme_block(full_project, "python", "# Weights others can load", "docs/export.md"), namespace)  # noqa: S102
     expected = checkpoint(uninterrupted_bare, 40)["model"]
     loaded = namespace["model"].state_dict()
     assert loaded.keys() == expected.keys()
@@ -259,8 +259,8 @@ TASK = dataclasses.replace(TASK, export_weights=merged)
 '''
 
 
-def test_export_writes_the_form_the_tasks_export_weights_makes(default_project, tmp_path):
-    project = with_task_code(default_project, tmp_path, LORA_MERGED)
+def test_export_writes_the_form_the_tasks_export_weights_makes(full_project, tmp_path):
+    project = with_task_code(full_project, tmp_path, LORA_MERGED)
     weight, bias, lora_a, lora_b = torch.randn(3, 4), torch.randn(3), torch.randn(2, 4), torch.randn(3, 2)
     torch.save({"model": {"head.weight": weight, "head.bias": bias, "head.lora_a": lora_a, "head.lora_b": lora_b},
                 "options": {"num_classes": 3}, "step": 7}, tmp_path / "step-7.pt")

@@ -441,8 +441,8 @@ LOSS_WEIGHT = {
          "    loss_weight: float = 1.0  # annealed after each step\n"),
         ("            return task.compute_loss(networks.model, batch, step)  # the task runs the model\n",
          "            return progress.loss_weight * task.compute_loss(networks.model, batch, step)\n"),
-        ("            progress.advance(samples)\n",
-         "            progress.advance(samples)\n"
+        ("            amp.scaler.update()  # once a step, after every optimizer stepped: the fp16 scale for the next\n",
+         "            amp.scaler.update()  # once a step, after every optimizer stepped: the fp16 scale for the next\n"
          "            progress.loss_weight = max(0.5, 0.98 * progress.loss_weight)  # halves over the first 35 steps\n"),
     ],
 }
@@ -714,6 +714,11 @@ def diff_of(project: Path, recipe: dict[str, list[tuple[str, str]]], streaming: 
     return text.replace(PACKAGE, "{{ cookiecutter.package_name }}")
 
 
+def hunks(diff: str) -> str:
+    """A diff without its hunks' line numbers."""
+    return re.sub(r"^@@ .* @@$", "@@", diff, flags=re.M)
+
+
 def main(check: bool = "--check" in sys.argv) -> None:
     """Write the diffs; with --check, only say whether the examples hold them already (exit 1 if not)."""
     diffs = {}
@@ -723,6 +728,14 @@ def main(check: bool = "--check" in sys.argv) -> None:
                                         extra_context={"use_streaming": "yes" if streaming else "no"}))
             for name, recipe in RECIPES.items():
                 diffs.setdefault(name, []).append(diff_of(project, recipe, streaming))
+        # The optional parts' own lines (profiling's in train.py) must not reach a diff's context: one diff
+        # serves bakes with and without them (patch finds a hunk whose line numbers moved).
+        project = Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=f"{folder}/full", extra_context={
+            name: "yes" for name in ("use_preflight", "use_profiling", "use_export", "use_trackers")}))
+        for name, recipe in RECIPES.items():
+            if hunks(diff_of(project, recipe, False)) != hunks(diffs[name][0]):
+                sys.exit(f"examples/{name}: its diff differs in a bake with every optional part; move its edits "
+                         "away from their lines")
     # One file for both bakes, rendered by cookiecutter: the diff made on the bake's own code.
     diffs = {name: plain if plain == streamed else f"{STREAMING}{streamed}{{% else %}}{plain}{{% endif %}}"
              for name, (plain, streamed) in diffs.items()}

@@ -5,7 +5,9 @@ the records beside them, each written whole or not at all.
     step-<N>/                    an FSDP2 checkpoint: DCP's shards and options.json (sharded.py)
     .lease                       which job holds the folder (common.py)
     .crashes/<run id>.json       the job's last crash, and whether it was a bug (failure.py)
+{%- if cookiecutter.use_trackers == "yes" %}
     tracker.json                 the W&B or MLflow run this job logs to (trackers.py)
+{%- endif %}
     config.yaml                  the options of the latest run, as --print-config writes them (common.py)
     best.json                    the step whose checkpoint --keep-best keeps (selection.py)
 """
