@@ -350,7 +350,7 @@ TEACHER = {"PACKAGE/task.py": [
     ("from .spec import Task\n", "from .spec import Task, leave_out_of_checkpoints\n"),
     ('''    num_classes: int = option(10, "outputs of the model's head (cifar10 has 10 classes)", fixed=True)
 ''', '''    num_classes: int = option(10, "outputs of the model's head (cifar10 has 10 classes)", fixed=True)
-    teacher: str = option("", "for --model distilled: the teacher's weights, a small_cnn's exported .pt (none: a "
+    teacher: str = option("", "for --model distilled: the teacher's weights, a small_cnn's state dict (none: a "
                           "random teacher, to try it out)")
 '''),
     (BEFORE_SMALL_CNN, '''class Distilled(nn.Module):
@@ -496,7 +496,7 @@ class GatherWithGradient(torch.autograd.Function):
     if dist.is_initialized():  # every rank's second views, with their gradients: the negatives of the global batch
         targets += dist.get_rank() * len(first)
         second = GatherWithGradient.apply(second)
-    step.log(temperature=1 / scale)  # beside the loss in the log, metrics.jsonl and the trackers
+    step.log(temperature=1 / scale)  # beside the loss in the log, metrics.jsonl and the --tracker
     return F.cross_entropy(scale * first @ second.T, targets)
 
 
@@ -574,7 +574,7 @@ LORA = {"PACKAGE/task.py": [
     ("from .spec import Task\n", "from .spec import Task, leave_out_of_checkpoints\n"),
     ('''    num_classes: int = option(10, "outputs of the model's head (cifar10 has 10 classes)", fixed=True)
 ''', '''    num_classes: int = option(10, "outputs of the model's head (cifar10 has 10 classes)", fixed=True)
-    base: str = option("", "for --model lora: the frozen base's weights, a small_cnn's exported .pt (none: a random "
+    base: str = option("", "for --model lora: the frozen base's weights, a small_cnn's state dict (none: a random "
                        "base, to try it out)")
     lora_rank: int = option(4, "for --model lora: the rank of each layer's trained update", fixed=True)
     layer_decay: float = option(0.5, "for --model lora: each layer's lr is this times the next one's, the head's --lr")
@@ -629,7 +629,7 @@ def lora(options: TrainOptions, train_set: Dataset) -> nn.Module:
 
 
 def merged_lora(weights: dict[str, torch.Tensor], task: TaskOptions) -> dict[str, torch.Tensor]:
-    """What export writes (TASK.export_weights): for --model lora, each update merged into its base layer, W + B A,
+    """TASK.export_weights, what the export writes: for --model lora, each update merged into its base layer, W + B A,
     a plain small_cnn's weights; for another model, its weights as they are."""
     if task.model != "lora":
         return weights

@@ -252,7 +252,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
             with watchdog.slow_phase("saving a checkpoint"):
                 checkpointer.save(progress)  # before that evaluation: one that fails loses no training
 
-    # meter.close() inside the phase, also on the SIGTERM exit: a tracker's last rows are sent within its limit.
+    # meter.close() inside the phase, also on the SIGTERM exit: the tracker's last rows are written within its limit.
 {%- if cookiecutter.use_profiling == "yes" %}
     profiler.close()  # a run that ended inside the profiled steps still writes their trace
 {%- endif %}

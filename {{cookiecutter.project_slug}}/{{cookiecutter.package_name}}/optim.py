@@ -153,9 +153,10 @@ class Step:
 
     def log(self, **values: float | torch.Tensor) -> None:
         """Values to log beside the loss (a learned temperature, an auxiliary loss, the terms of a sum): in the log
-        line, metrics.jsonl, TensorBoard and a tracker, each the mean over this step's calls (compute_loss calls it
-        once per micro-batch), then over ranks and the --log-every steps, as the loss is. Every rank logs the same
-        names; the loss logged is what compute_loss returned, these terms in it only if the task added them."""
+        line, metrics.jsonl and the --tracker (TensorBoard by default), each the mean over this step's calls
+        (compute_loss calls it once per micro-batch), then over ranks and the --log-every steps, as the loss is.
+        Every rank logs the same names; the loss logged is what compute_loss returned, these terms in it only if
+        the task added them."""
         for name, value in values.items():
             if name in RESERVED_LOG_NAMES or name.endswith("_per_sec"):
                 raise UsageError(f"step.log({name}=...): {name!r} is a column the loop logs itself; name it otherwise")

@@ -100,11 +100,11 @@ class Task:
     state: Callable[[nn.Module, TrainOptions], dict[str, Any]] | None = None
     after_step: Callable[[Any], None] = lambda step: None
     # The state entry whose swapped_into(model) context holds the weights every evaluation uses, the run's last
-    # included, and whose state_dict export writes over the model's (an EMA's averages; optim.py's
+    # included, and whose state_dict the export (export.py) writes over the model's (an EMA's averages; optim.py's
     # ExponentialMovingAverage has both). None: the trained weights.
     evaluate_with: str | None = None
-    # What export writes, made from the weights it read (the model's, or evaluate_with's over them) and the run's
-    # task options: LoRA adapters merged into their base, say. None: those weights as they are.
+    # What the export (export.py) writes, made from the weights it read (the model's, or evaluate_with's over
+    # them) and the run's task options: LoRA adapters merged into their base, say. None: those weights as they are.
     export_weights: Callable[[dict[str, torch.Tensor], Any], dict[str, torch.Tensor]] | None = None
     # Work one rank does alone every N optimizer steps (sample images, a figure, an upload): (N, work), N a number
     # or the name of a TaskOptions field (a flag). After steps N, 2N, ... work(step, generator) runs on rank 0 while

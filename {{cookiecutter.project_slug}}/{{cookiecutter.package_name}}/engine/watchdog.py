@@ -105,7 +105,7 @@ class Watchdog:
         self._phase = Phase("starting", 0, True, time.monotonic())
         self._longest_step = 0.0  # of the steps after the first
         self._first_step = 0.0  # the first's, compilation and autotuning included
-        self.profiling: str | None = None  # what the steps are while profiled (--profile-steps): slow on purpose
+        self.profiling: str | None = None  # what the steps are while profiled (profiling's): slow on purpose
         self._main_thread = threading.main_thread().ident
         self._nccl = dist.is_initialized() and dist.get_backend() == "nccl"
         self._store_address = store_address
