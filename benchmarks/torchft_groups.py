@@ -162,19 +162,20 @@ def trial(arguments: argparse.Namespace, folder: Path) -> dict:
         process.wait(timeout=300)
     lighthouse.terminate()
     survivor, restarted = (log.read_text() for log in logs)
-    commits = [float(t) for t in re.findall(r"^COMMIT 0 0 \d+ \d+ ([\d.]+) \w+$", survivor, re.M)]
+    # Not anchored to a line: two ranks' prints can share one line of a group's log.
+    commits = [float(t) for t in re.findall(r"COMMIT 0 0 \d+ \d+ (\d+\.\d{3}) [0-9a-f]{16}", survivor)]
     gaps = [later - earlier for earlier, later in zip(commits, commits[1:], strict=False)]
     after = [later - earlier for earlier, later in zip(commits, commits[1:], strict=False) if later > killed_at]
-    healed = re.findall(r"^HEALED 1 0 (\d+) ([\d.]+)$", restarted, re.M)
+    healed = re.findall(r"HEALED 1 0 (\d+) (\d+\.\d{3})", restarted)
     late = [(int(step), float(at)) for step, at in healed if float(at) > killed_at]
-    finals = re.findall(r"^FINAL \d \d (\w+)$", survivor + restarted, re.M)
+    finals = re.findall(r"FINAL \d \d ([0-9a-f]{16})", survivor + restarted)
     # The first step at which the restarted group's weights and momentum differ from the survivor's, if any.
-    steps = [dict(re.findall(rf"^COMMIT {group} 0 (\d+) \d+ [\d.]+ (\w+)$", log, re.M))
+    steps = [dict(re.findall(rf"COMMIT {group} 0 (\d+) \d+ \d+\.\d{{3}} ([0-9a-f]{{16}})", log))
              for group, log in enumerate((survivor, restarted))]
     healed_step = int(late[0][0]) if late else None
     differ = sorted(int(step) for step, hashed in steps[1].items()
                     if healed_step is not None and int(step) > healed_step and steps[0].get(step) not in (None, hashed))
-    return {"skipped": len(re.findall(r"^SKIPPED 0 0 ", survivor, re.M)),
+    return {"skipped": len(re.findall(r"SKIPPED 0 0 ", survivor)),
             "stall": max(after) - statistics.median(gaps) if after else None,
             "healed_at": late[0][0] if late else None, "heal_after": late[0][1] - killed_at if late else None,
             "equal": len(finals) == 4 and len(set(finals)) == 1, "ranks_finished": len(finals),
