@@ -715,3 +715,26 @@ def test_a_max_steps_past_the_epochs_says_where_the_run_ends(baked_module, caplo
         assert optim.planned_steps(SimpleNamespace(epochs=10, max_steps=100), 16) == 100
     assert caplog.messages == ["--max-steps 300 is past --epochs 10 (160 steps of 16 at this world size): the run "
                                "ends at step 160; raise --epochs for more (the lr schedule spans them)"]
+
+
+def test_rank_0_work_every_names_a_number_or_an_int_task_option(baked_module):
+    # Task.rank_0_work's N: a number Task() checks, or a TaskOptions field whose value each run checks (0: never).
+    import dataclasses
+
+    task, usage_error = baked_module("task").TASK, baked_module("engine.errors").UsageError
+
+    def spec(work):  # the task's own checks of its options left out: these options hold only what is named here
+        return dataclasses.replace(task, rank_0_work=None if work is None else (work, print),
+                                   check_options=lambda options: None)
+
+    def options(**fields):
+        return SimpleNamespace(task=SimpleNamespace(data="fake", model="small_cnn", **fields))
+    for work, fields, every in [(None, {}, 0), (4, {}, 4), ("sample_every", {"sample_every": 3}, 3),
+                                ("sample_every", {"sample_every": 0}, 0)]:
+        spec(work).check(options(**fields))
+        assert spec(work).work_every(options(**fields)) == every
+    for fields, held in [({}, "None"), ({"sample_every": -1}, "-1"), ({"sample_every": "x"}, "'x'")]:
+        with pytest.raises(usage_error) as refused:
+            spec("sample_every").check(options(**fields))
+        assert str(refused.value) == (f"Task(rank_0_work=('sample_every', ...)) names a TaskOptions field for its "
+                                      f"steps; it holds {held}: give it an int option, >= 1 (0: never)")

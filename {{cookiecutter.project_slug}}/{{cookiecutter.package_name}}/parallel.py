@@ -166,8 +166,8 @@ def shardable_blocks(model: nn.Module) -> list[nn.Module]:
         return list(model.shardable_blocks())
     blocks = []
     for child in model.children():
-        containers = isinstance(child, nn.Sequential | nn.ModuleList | nn.ModuleDict)
-        members = list(child.children()) if containers else [child]
+        is_container = isinstance(child, nn.Sequential | nn.ModuleList | nn.ModuleDict)  # no forward of its own
+        members = list(child.children()) if is_container else [child]
         blocks += [member for member in members if any(True for _ in member.parameters())]
     return blocks
 

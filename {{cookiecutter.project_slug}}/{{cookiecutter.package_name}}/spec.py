@@ -175,11 +175,10 @@ class Task:
         if self.model_builder(options.task.model) is None:
             every_model = {**(self.more_models() if self.more_models else {}), **self.models}
             raise UsageError(self.unknown_name("model", options.task.model, every_model))
-        if self.rank_0_work is not None and isinstance(self.rank_0_work[0], str):
-            every = getattr(options.task, self.rank_0_work[0], None)
-            if not isinstance(every, int) or every < 0:
-                raise UsageError(f"Task(rank_0_work=({self.rank_0_work[0]!r}, ...)) names a TaskOptions field for its "
-                                 f"steps; it holds {every!r}: give it an int option, >= 1 (0: never)")
+        every = self.work_every(options)  # a number Task() checked, or what the TaskOptions field it names holds
+        if not isinstance(every, int) or every < 0:
+            raise UsageError(f"Task(rank_0_work=({self.rank_0_work[0]!r}, ...)) names a TaskOptions field for its "
+                             f"steps; it holds {every!r}: give it an int option, >= 1 (0: never)")
         self.check_options(options)
 
     def work_every(self, options: TrainOptions) -> int:
@@ -187,7 +186,7 @@ class Task:
         if self.rank_0_work is None:
             return 0
         every = self.rank_0_work[0]
-        return getattr(options.task, every) if isinstance(every, str) else every
+        return getattr(options.task, every, None) if isinstance(every, str) else every
 
     def build_datasets(self, options: TrainOptions, env: DistEnv, device: torch.device) -> tuple[Dataset, Dataset]:
         prepare = self.prepare_data.get(options.task.data)
