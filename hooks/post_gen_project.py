@@ -16,7 +16,8 @@ OPTIONAL_FILES = {"slurm/train.sbatch": "use_slurm", "k8s/pytorchjob.yaml": "use
                   "docs/containers-and-schedulers.md": ("use_docker", "use_slurm", "use_kubernetes"),
                   "PACKAGE/preflight.py": "use_preflight", "PACKAGE/profiling.py": "use_profiling",
                   "PACKAGE/export.py": "use_export", "docs/export.md": "use_export", "PACKAGE/trackers.py": "use_trackers",
-                  "PACKAGE/engine/streaming.py": "use_streaming", "docs/streaming.md": "use_streaming"}
+                  "PACKAGE/engine/streaming.py": "use_streaming", "docs/streaming.md": "use_streaming",
+                  "PACKAGE/replica_groups.py": "fault_tolerance=torchft", "docs/replica-groups.md": "fault_tolerance=torchft"}
 # Examples whose diffs edit the image task's task.py, kept only in its bakes.
 IMAGE_TASK_EXAMPLES = ["regression", "dict-batches", "whole-set-metric", "gan", "distillation", "lora", "two-optimizers",
                        "ema", "contrastive", "mixture-of-experts"]
@@ -29,7 +30,8 @@ def make_executable(path: Path) -> None:
 
 def remove_unwanted_files(project: Path, answers: dict) -> None:
     for name, answer in OPTIONAL_FILES.items():
-        if any(answers.get(each, "yes") == "yes" for each in ((answer,) if isinstance(answer, str) else answer)):
+        if any(answers.get(each.split("=")[0], "yes") in ("yes", each.partition("=")[2])
+               for each in ((answer,) if isinstance(answer, str) else answer)):
             continue  # asked for (or an answer this template's version did not ask)
         path = project / name.replace("PACKAGE", answers.get("package_name", "PACKAGE"))
         if not path.exists():

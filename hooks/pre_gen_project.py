@@ -100,6 +100,7 @@ CHECKS = {
     "strategy": lambda value: None if value in ("ddp", "fsdp2") else f"{value!r} must be ddp or fsdp2",
     "task": lambda value: (None if value in ("image_classification", "language_model")
                            else f"{value!r} must be image_classification or language_model"),
+    "fault_tolerance": lambda value: None if value in ("restart", "torchft") else f"{value!r} must be restart or torchft",
 }
 
 
@@ -137,6 +138,9 @@ def remove_empty_parents_once_refused(project_folder: str, output_folder: str) -
 def problems(answers: dict) -> list[tuple[str, str]]:
     """(answer, what is wrong with it) for every answer a check refuses."""
     found = [(name, check(str(answers[name]))) for name, check in CHECKS.items()]
+    if answers["fault_tolerance"] == "torchft" and answers["use_streaming"] == "yes":
+        found.append(("fault_tolerance", "torchft replica groups read map-style training sets only; answer "
+                                         "use_streaming=no with it, or fault_tolerance=restart"))
     return [(name, problem) for name, problem in found if problem]
 
 

@@ -21,6 +21,13 @@
 #   TORCH_DISABLE_SHARE_RDZV_TCP_STORE  1 (default with RDZV_ENDPOINT; unset on one machine): machines may join a running elastic job
 #   GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME   network interface for gloo / NCCL (default: the one toward
 #                   RDZV_ENDPOINT, found with `ip route get`)
+{%- if cookiecutter.fault_tolerance == "torchft" %}
+#   REPLICA_GROUPS  torchft (docs/replica-groups.md): this many replica groups, a machine each, with a torchrun of
+#                   its own that restarts only this machine; unset or 0: one torchrun over every machine (default)
+#   REPLICA_GROUP_ID  this machine's group, 0..REPLICA_GROUPS-1 (default $SLURM_NODEID or 0)
+#   TORCHFT_LIGHTHOUSE  http://host:port of a Lighthouse you run (./run_node.sh --lighthouse); default: group 0
+#                   starts one on RDZV_ENDPOINT (localhost:{{ cookiecutter.rdzv_port }} on one machine), where the others find it
+{%- endif %}
 set -euo pipefail
 
 NNODES="${NNODES:-{{ cookiecutter.nnodes }}}"
@@ -54,6 +61,61 @@ if [[ "${1:-}" == --preflight ]]; then
   shift
   ENTRY_POINT=(-m {{ cookiecutter.package_name }}.preflight)
 fi
+{%- endif %}
+
+{%- if cookiecutter.fault_tolerance == "torchft" %}
+REPLICA_GROUPS="${REPLICA_GROUPS:-0}"
+[[ "$REPLICA_GROUPS" =~ ^[0-9]+$ ]] || fail "REPLICA_GROUPS='$REPLICA_GROUPS' must be a number of replica groups (machines), or 0"
+if [[ "${1:-}" == --lighthouse || "$REPLICA_GROUPS" != 0 ]]; then
+  ENDPOINT="${RDZV_ENDPOINT:-localhost}"
+  [[ "$ENDPOINT" == *:* ]] || ENDPOINT="$ENDPOINT:$DEFAULT_RDZV_PORT"
+  # min_replicas 1: the groups left keep training; a group that stops heartbeating for 1 s is dropped, and one
+  # that is starting (heartbeating) is waited for at most 2 s.
+  LIGHTHOUSE=(torchft_lighthouse --min_replicas 1 --join_timeout_ms 2000 --heartbeat_timeout_ms 1000
+    --bind "[::]:${ENDPOINT##*:}")
+  if [[ "${1:-}" == --lighthouse ]]; then
+    exec "${LIGHTHOUSE[@]}"
+  fi
+  export REPLICA_GROUP_ID="${REPLICA_GROUP_ID:-${SLURM_NODEID:-0}}"
+  if [[ ! "$REPLICA_GROUP_ID" =~ ^[0-9]+$ ]] || ((REPLICA_GROUP_ID >= REPLICA_GROUPS)); then
+    fail "REPLICA_GROUP_ID='$REPLICA_GROUP_ID' must be 0..$((REPLICA_GROUPS - 1)), another on each machine"
+  fi
+  LIGHTHOUSE_PID=""
+  if [[ -z "${TORCHFT_LIGHTHOUSE:-}" && "$REPLICA_GROUP_ID" == 0 ]]; then
+    "${LIGHTHOUSE[@]}" &
+    LIGHTHOUSE_PID=$!
+  fi
+  export TORCHFT_LIGHTHOUSE="${TORCHFT_LIGHTHOUSE:-http://$ENDPOINT}"
+  LIGHTHOUSE_HOST="${TORCHFT_LIGHTHOUSE#*://}"
+  LIGHTHOUSE_HOST="${LIGHTHOUSE_HOST%:*}"
+  LIGHTHOUSE_IP="$(getent ahostsv4 "$LIGHTHOUSE_HOST" | awk 'NR == 1 { print $1 }' || true)"
+  [[ -n "$LIGHTHOUSE_IP" ]] || fail "the Lighthouse's host '$LIGHTHOUSE_HOST' does not resolve here"
+  # Where healing groups reach this one: our address on the route toward the Lighthouse, not what the hostname
+  # resolves to (meta-pytorch/torchft#329).
+  export REPLICA_GROUP_ADDR="${REPLICA_GROUP_ADDR:-$(ip -o route get "$LIGHTHOUSE_IP" 2>/dev/null | awk '{ for (i = 1; i < NF; i++) if ($i == "src") print $(i + 1) }')}"
+  export REPLICA_GROUP_ADDR="${REPLICA_GROUP_ADDR:-127.0.0.1}"
+  echo "run_node.sh: replica group $REPLICA_GROUP_ID of $REPLICA_GROUPS nproc_per_node=$NPROC_PER_NODE lighthouse=$TORCHFT_LIGHTHOUSE address=$REPLICA_GROUP_ADDR max_restarts=$MAX_RESTARTS" >&2
+  unset TORCH_DISABLE_SHARE_RDZV_TCP_STORE
+  TORCHRUN=(torchrun --standalone --nnodes=1 --nproc-per-node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS"
+    "${ENTRY_POINT[@]}" "$@")
+  [[ "${ENTRY_POINT[0]}" != train.py ]] || TORCHRUN+=(--replica-groups "$REPLICA_GROUPS")
+  if [[ -z "$LIGHTHOUSE_PID" ]]; then
+    exec "${TORCHRUN[@]}"
+  fi
+  # torchrun beside the Lighthouse, which ends with it; SIGTERM (preemption) is passed on to torchrun.
+  "${TORCHRUN[@]}" &
+  TORCHRUN_PID=$!
+  trap 'kill -TERM "$TORCHRUN_PID" 2>/dev/null' TERM INT
+  STATUS=0
+  wait "$TORCHRUN_PID" || STATUS=$?
+  if kill -0 "$TORCHRUN_PID" 2>/dev/null; then  # the wait was cut short by the signal
+    STATUS=0
+    wait "$TORCHRUN_PID" || STATUS=$?
+  fi
+  kill "$LIGHTHOUSE_PID" 2>/dev/null || true
+  exit "$STATUS"
+fi
+
 {%- endif %}
 
 if [[ -z "$RDZV_ENDPOINT" ]]; then

@@ -62,6 +62,9 @@ from {{ cookiecutter.package_name }}.optim import (
 )
 from {{ cookiecutter.package_name }}.options import TrainOptions, parse_options, recorded
 from {{ cookiecutter.package_name }}.parallel import uses_channels_last, wrap_networks
+{% if cookiecutter.fault_tolerance == "torchft" -%}
+from {{ cookiecutter.package_name }}.replica_groups import ReplicaGroups
+{% endif -%}
 {% if cookiecutter.use_profiling == "yes" -%}
 from {{ cookiecutter.package_name }}.profiling import StepProfiler, record_memory_history
 {% endif -%}
@@ -105,17 +108,30 @@ class TrainingProgress:
         self.evaluation_due = eval_every > 0 and self.epoch % eval_every == 0
 
 
-def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device, store: StoreAddress | None) -> None:
+def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device, store: StoreAddress | None{% if cookiecutter.fault_tolerance == "torchft" %},
+          groups: ReplicaGroups | None{% endif %}) -> None:
     log.info("%s", describe_job(env, device))
+{%- if cookiecutter.fault_tolerance == "torchft" %}
+    data_env = env  # the data's view of the ranks
+    if groups is not None:  # --replica-groups: this torchrun is one group of several (replica_groups.py)
+        groups.join(device, store, options.watchdog.collective_timeout())
+        if task.training_step is not None:  # its several updates would each try to commit the step
+            raise UsageError("--replica-groups commits one optimizer update per step: a Task with its own "
+                             "training_step trains in the default mode only (leave out --replica-groups)")
+        data_env = groups.data_env()  # the training set split as if every group were present
+        log.info("%s", groups.describe())
+{%- endif %}
     # From here on SIGTERM means "save and stop at the next step", and a rank that stops making progress is
     # ended (with its stack logged) so that torchrun restarts the group.
     watchdog = Watchdog(env, store, options.watchdog.step_timeout, options.watchdog.io_timeout)
     stop = StopAgreement(side_group())
     seed_and_choose_kernels(options.seed, options.deterministic, env, device)  # cuDNN autotuning, or not
     train_set, eval_set = task.build_datasets(options, env, device)
-    train_loader, eval_loader = build_loaders(train_set, eval_set, options, env, device, task.collate, task.batches)
+    train_loader, eval_loader = build_loaders(train_set, eval_set, options, env, device, task.collate, task.batches{% if cookiecutter.fault_tolerance == "torchft" %},
+                                              train_env=data_env{% endif %})
     model = task.build_model(options, train_set).to(device)
-    seed_per_rank(options.seed, env, device)  # the model is the same everywhere; now each rank draws its own numbers
+    # The model is the same everywhere; now each rank draws its own numbers.
+    seed_per_rank(options.seed, {% if cookiecutter.fault_tolerance == "torchft" %}data_env{% else %}env{% endif %}, device)
     channels_last = uses_channels_last(model, device, options.channels_last)
     model = model.to(memory_format=torch.channels_last) if channels_last else model
     amp = MixedPrecision(resolve_precision(options.precision, device), device)
@@ -123,7 +139,11 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     # A task with its own training_step gets the model's top-level networks wrapped one by one instead.
     networks = wrap_networks(model, device, options.strategy, options.compile, amp.param_dtype,
                              options.activation_checkpointing, one_by_one=task.training_step is not None,
-                             find_unused_parameters=task.find_unused_parameters)
+                             find_unused_parameters=task.find_unused_parameters{% if cookiecutter.fault_tolerance == "torchft" %} or groups is not None{% endif %})
+{%- if cookiecutter.fault_tolerance == "torchft" %}
+    if groups is not None:
+        groups.average_gradients(networks)  # within the group, then across the groups present
+{%- endif %}
     optimizers = task.build_optimizer(model, options)  # after wrapping: FSDP2 swaps in sharded parameters
     nonfinite = NonFiniteGuard(options.skip_nonfinite, amp, device)  # a NaN loss stops the job (or is skipped)
 
@@ -133,7 +153,12 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
         amp.scaler.unscale_(optimizer)  # true gradients for the norm and clipping (a no-op unless fp16)
         parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, options.clip_grad or math.inf)
+{%- if cookiecutter.fault_tolerance == "torchft" %}
+        allowed = nonfinite.allows_update(number, grad_norm)  # else skipped on every rank, or a stop
+        if (groups is None or groups.should_commit(number)) and allowed:  # a group lost in this step: dropped
+{%- else %}
         if nonfinite.allows_update(number, grad_norm):  # else skipped on every rank, or a stop
+{%- endif %}
             amp.scaler.step(optimizer)  # fp16: skips a step whose gradients overflowed
         optimizer.zero_grad(set_to_none=True)
         return grad_norm
@@ -151,7 +176,8 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     training_step = task.training_step or loss_step
     # The task's own state beside the model (an EMA, say): updated by task.after_step, saved with the rest.
     task_state = task.build_state(model, options, taken={"model", "optimizer", "lr_schedule", "grad_scaler",
-                                                         "selection", {% if cookiecutter.use_streaming == "yes" %}"stream_position", {% endif %}"batches_position"})
+                                                         "selection", {% if cookiecutter.use_streaming == "yes" %}"stream_position", {% endif %}"batches_position"{% if cookiecutter.fault_tolerance == "torchft" %},
+                                                         "replica_groups"{% endif %}})
     step = Step(networks, model, optimizers, amp, options, nonfinite, update, task_state)  # training_step's
     optimizer = step.optimizer  # every optimizer as one: scaled by the lr schedule, saved by checkpoints
     step_batches = []  # the micro-batches of the next step
@@ -165,8 +191,12 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     checkpointer = build_checkpointer(options.checkpoint, recorded(options), env, device,
                                       sharded=options.strategy == "fsdp2", model=model, optimizer=optimizer,
                                       lr_schedule=lr_schedule, grad_scaler=amp, selection=selection, **position,
-                                      **task_state)
+                                      **task_state{% if cookiecutter.fault_tolerance == "torchft" %}, **(groups.checkpoint_entries() if groups else {}){% endif %})
     progress = checkpointer.resume(TrainingProgress)  # the newest checkpoint's, or a fresh one
+{%- if cookiecutter.fault_tolerance == "torchft" %}
+    if groups is not None:  # what a group that joins late copies from a running one: all of the above
+        groups.share(checkpointer, progress, options.seed)
+{%- endif %}
     # What --grad-accum and a resize do to a loss that couples a batch's samples (contrastive, BatchNorm).
     check_coupled_batch(task.loss_couples, task.keep_coupled_batch, model, options, env.world_size,
                         checkpointer.resumed_from, own_batches=task.batches is not None)
@@ -220,6 +250,11 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
             samples = train_loader.samples_in_step(progress.samples_in_epoch)  # every rank's, this step
             lr = lr_schedule.set_lr(progress.samples_seen + samples / 2)  # at the step's middle
             batches = OnDevice(step_batches, device, channels_last)
+{%- if cookiecutter.fault_tolerance == "torchft" %}
+            if groups is not None and groups.start_step(progress, model, options.checkpoint.ckpt_every):
+                step_batches = []  # healed: another group's progress, and the data position it names
+                break
+{%- endif %}
             loss, grad_norm = step.run(training_step, batches, number=progress.step + 1)
             amp.scaler.update()  # once a step, after every optimizer stepped: the fp16 scale for the next
             task.after_step(step)  # the task's state after the update: an EMA, a momentum encoder
@@ -258,6 +293,10 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
 {%- endif %}
     with watchdog.slow_phase("final checkpoint"), contextlib.closing(meter):
         checkpointer.save(progress, wait=True)
+{%- if cookiecutter.fault_tolerance == "torchft" %}
+    if groups is not None:
+        groups.shutdown()
+{%- endif %}
     if stop_requested:  # preemption, or torchrun stopping the group
         log.info("stopped by SIGTERM after step %d; run the same command again to resume", progress.step)
         sys.exit(EXIT_CODE_AFTER_SIGTERM)
@@ -281,6 +320,11 @@ def main(argv: list[str] | None = None) -> None:
 {%- endif %}
         # Bad input fails here, on every rank, before any process group or download starts.
         task.check(options)
+{%- if cookiecutter.fault_tolerance == "torchft" %}
+        groups = ReplicaGroups(options.replica_groups, env) if options.replica_groups else None
+        if groups is not None:
+            options.checkpoint.ckpt_dir = groups.checkpoint_dir(options.checkpoint.ckpt_dir)  # one folder each
+{%- endif %}
         check_checkpoint_dir(options.checkpoint.ckpt_dir)
         crashes = CrashRecord(options.checkpoint.ckpt_dir, env)
         # The process group over all WORLD_SIZE ranks: NCCL on GPUs, gloo on CPUs, on a store made fresh for each
@@ -288,7 +332,7 @@ def main(argv: list[str] | None = None) -> None:
         with distributed_session(env, device, timeout=options.watchdog.collective_timeout()) as store:
             if crashes.known_bug_on_any_machine(device):  # found by an earlier attempt, nothing changed since
                 sys.exit(1)
-            train(options, task, env, device, store)
+            train(options, task, env, device, store{% if cookiecutter.fault_tolerance == "torchft" %}, groups{% endif %})
     except UsageError as error:
         end_job_for_usage_error(error, env)  # one line per job; torchrun's retries end at once, silently
     except Exception as error:

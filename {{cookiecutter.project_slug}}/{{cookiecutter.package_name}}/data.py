@@ -233,16 +233,16 @@ class TaskBatchLoader(DataLoader):
 def build_loaders(train_set: Dataset{% if cookiecutter.use_streaming == "yes" %} | StreamedDataset{% endif %}, eval_set: Dataset, options: TrainOptions, env: DistEnv,
                   device: torch.device, collate: Callable[[list], Any],
                   batches: Callable[[Dataset, TrainOptions, int], list[list[int]]] | None = None,
+{%- if cookiecutter.fault_tolerance == "torchft" %}
+                  train_env: DistEnv | None = None,
+{%- endif %}
                   ) -> tuple[ShardedLoader | TaskBatchLoader{% if cookiecutter.use_streaming == "yes" %} | StreamLoader{% endif %}, DataLoader]:
     """The training loader (resumable sharding, per-sample seeds{% if cookiecutter.use_streaming == "yes" %}; or a stream's{% endif %}) and the held-out one (each
     rank a disjoint shard, no padding); `collate` (task.py's) makes a list of samples one batch. `batches`
-    (Task.batches): the task's own, for both."""
+    (Task.batches): the task's own, for both.{% if cookiecutter.fault_tolerance == "torchft" %} `train_env`: how the training set is split, if not as `env`
+    (replica groups: as if every group were present).{% endif %}"""
     if options.num_workers:
         start_forkserver_deaf_to_sigterm()  # a no-op unless loader workers are started by a forkserver
-    sample_log = None
-    if options.sample_log:
-        Path(options.sample_log).mkdir(parents=True, exist_ok=True)
-        sample_log = Path(options.sample_log) / f"rank-{env.rank}.txt"
     unbatched = dict(num_workers=options.num_workers, collate_fn=collate, pin_memory=device.type == "cuda",
                      persistent_workers=options.num_workers > 0,
                      worker_init_fn=functools.partial(detach_from_job_signals, training_process=os.getpid()))
@@ -258,6 +258,13 @@ def build_loaders(train_set: Dataset{% if cookiecutter.use_streaming == "yes" %}
         eval_shard = Subset(eval_set, range(env.rank, len(eval_set), env.world_size))
         eval_loader = DataLoader(eval_shard, shuffle=False, generator=torch.Generator().manual_seed(options.seed),
                                  **common)
+{%- if cookiecutter.fault_tolerance == "torchft" %}
+    env = train_env or env  # from here on, the training set's ranks
+{%- endif %}
+    sample_log = None
+    if options.sample_log:
+        Path(options.sample_log).mkdir(parents=True, exist_ok=True)
+        sample_log = Path(options.sample_log) / f"rank-{env.rank}.txt"
 {%- if cookiecutter.use_streaming == "yes" %}
     if isinstance(train_set, StreamedDataset):
         if batches is not None:

@@ -146,6 +146,12 @@ class TrainOptions:
 {%- if cookiecutter.use_streaming == "yes" %}; for a streamed "
         "training set, epoch:piece:index of each sample trained on
 {%- endif %}")
+{%- if cookiecutter.fault_tolerance == "torchft" %}
+    replica_groups: int = option(
+        0, "torchft: the job's replica groups (machines, a torchrun each, started by run_node.sh with "
+        "REPLICA_GROUPS=N): a group that fails is restarted and heals from the others, which keep training "
+        "(docs/replica-groups.md); 0: a failure restarts every rank from the newest checkpoint")
+{%- endif %}
     # The options of each concern, read by the module of that concern alone: options.checkpoint.ckpt_every.
     checkpoint: CheckpointOptions = group(CheckpointOptions, "checkpoints")
     watchdog: WatchdogOptions = group(WatchdogOptions, "progress and hangs")
@@ -197,6 +203,11 @@ class TrainOptions:
                              f"value >= 1, got {selection.early_stop_patience}")
 {%- if cookiecutter.use_profiling == "yes" %}
         self.profiling.check(logging_.log_dir)
+{%- endif %}
+{%- if cookiecutter.fault_tolerance == "torchft" %}
+        if self.replica_groups < 0 or (self.replica_groups and self.strategy != "ddp"):
+            raise UsageError(f"--replica-groups must be >= 0 (0: off) and needs --strategy ddp, got "
+                             f"{self.replica_groups} with --strategy {self.strategy}")
 {%- endif %}
         if not re.fullmatch(r"none|full|every-[1-9]\d*", self.activation_checkpointing):
             raise UsageError("--activation-checkpointing must be none, full or every-N (N >= 1), got "

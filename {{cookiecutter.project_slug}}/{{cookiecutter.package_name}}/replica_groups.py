@@ -1,0 +1,188 @@
+"""Replica groups on torchft (--replica-groups N): a lost machine costs the others about a second, not a restart.
+
+Each machine is a replica group: a torchrun of its own, whose ranks train with DDP as in the default mode. Across
+groups a torchft Manager averages each gradient bucket over the groups present at that step, and a Lighthouse
+(run_node.sh starts one, or TORCHFT_LIGHTHOUSE names yours) forms a quorum before every step. When a group dies
+the others drop the step in flight (at most one) and go on without it; torchrun restarts the dead group, which
+copies a running group's whole state over the network (heals) and joins at its step. See docs/replica-groups.md.
+
+What it gives up, said at start-up too: while a group is away the global batch is smaller and that group's
+samples for those steps are not trained on, so a run is not bitwise equal to an uninterrupted one. The data is
+split as if every group were present (a nominal world of N x the group's ranks), so a group's share of each
+epoch is the same whether or not the others are there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import asdict
+from datetime import timedelta
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from .engine.checkpoint import Checkpointer
+from .engine.distributed import DistEnv, StoreAddress, address_toward
+from .engine.errors import UsageError
+from .engine.replicas import bit_sum
+from .engine.reproducibility import seed_per_rank
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT = timedelta(milliseconds=100)  # the Manager's beat to the Lighthouse (its --heartbeat_timeout_ms: 1000)
+
+
+class ReplicaGroups:
+    """This group's place among the replica groups, and the torchft Manager that keeps them one model."""
+
+    def __init__(self, count: int, env: DistEnv, environ=os.environ):
+        if not env.launched_by_torchrun:
+            raise UsageError("--replica-groups needs torchrun, one per machine: use run_node.sh with REPLICA_GROUPS")
+        if "TORCHFT_LIGHTHOUSE" not in environ:
+            raise UsageError("--replica-groups needs TORCHFT_LIGHTHOUSE=http://host:port (run_node.sh sets it)")
+        self.count, self.env = count, env
+        self.id = int(environ.get("REPLICA_GROUP_ID", "0"))
+        if not 0 <= self.id < count:
+            raise UsageError(f"REPLICA_GROUP_ID={self.id}: with --replica-groups {count} it must be 0..{count - 1}")
+        self.lighthouse = environ["TORCHFT_LIGHTHOUSE"]
+        # Where a healing group fetches this one's state: the address run_node.sh found toward the Lighthouse's
+        # machine. A hostname may resolve to another network there (Debian maps its own to 127.0.1.1; a
+        # cluster's to Ethernet instead of InfiniBand, meta-pytorch/torchft#329).
+        self.address = environ.get("REPLICA_GROUP_ADDR") or address_toward(
+            self.lighthouse.split("://")[-1].rsplit(":", 1)[0].strip("[]"))
+        self.healed = False
+        self.quorum = None  # the quorum of the last step: a new one checks that every group holds one model
+        self.committing = (-1, False)  # (step, whether it commits)
+
+    def join(self, device: torch.device, store: StoreAddress, timeout: timedelta) -> None:
+        """Start this group's Manager, which meets the Lighthouse (its ranks meet in this attempt's store)."""
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        self.device = device
+        for name in ("torchft", "torchft_quorums", "torchft_commits"):  # a line per step otherwise
+            logging.getLogger(name).setLevel(logging.WARNING)
+        across = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        self.manager = Manager(
+            pg=across, load_state_dict=None, state_dict=None, min_replica_size=1, use_async_quorum=False,
+            timeout=timeout, quorum_timeout=timedelta(seconds=60), connect_timeout=timedelta(seconds=60),
+            rank=self.env.rank, world_size=self.env.world_size, store_addr=store.host, store_port=store.port,
+            lighthouse_addr=self.lighthouse, replica_id=f"group{self.id}", hostname=self.address,
+            heartbeat_interval=HEARTBEAT)
+
+    def data_env(self) -> DistEnv:
+        """The data's view of this rank: rank group x ranks + rank of N x ranks, as if every group were present."""
+        return dataclasses.replace(self.env, rank=self.id * self.env.world_size + self.env.rank,
+                                   world_size=self.count * self.env.world_size)
+
+    def checkpoint_dir(self, ckpt_dir: str) -> str:
+        """Each group writes its own checkpoints (one folder each, on shared storage or not)."""
+        return os.path.join(ckpt_dir, f"replica-group-{self.id}")
+
+    def average_gradients(self, networks: SimpleNamespace) -> None:
+        """DDP all-reduces each bucket within the group, then the Manager averages it over the groups present
+        (a group of one rank is wrapped in DDP too, for its buckets). A lost peer fails the Manager's all-reduce:
+        the bucket keeps the group's mean, and the step is not committed anywhere (should_commit)."""
+        ddp = networks.model
+        if not isinstance(ddp, DistributedDataParallel):
+            ddp = networks.model = DistributedDataParallel(ddp, find_unused_parameters=True)
+        if not ddp.find_unused_parameters:
+            # DDP rebuilds its buckets after the first step unless find_unused_parameters: a group that joins
+            # later would average its first step's layout against the others' rebuilt one, one parameter's
+            # gradient against another's.
+            raise UsageError("--replica-groups needs DDP built with find_unused_parameters=True")
+        from torchft.manager import _ManagedFuture
+
+        group_size, manager = self.env.world_size, self.manager
+
+        def hook(state, bucket):  # no annotations: DDP checks them, and here they would be strings
+            buffer = bucket.buffer()
+            torch.distributed.all_reduce(buffer)  # this group's ranks
+            buffer /= group_size
+            work = manager.allreduce(buffer)  # the mean over the groups of this step's quorum
+            if not work.wait():
+                done = torch.futures.Future()
+                done.set_result(buffer)
+                return done
+            future = work.get_future()
+            return future._fut if isinstance(future, _ManagedFuture) else future
+
+        ddp.register_comm_hook(None, hook)
+
+    def share(self, checkpointer: Checkpointer, progress: Any, seed: int) -> None:
+        """What a healing group copies from a running one: what a checkpoint holds (every component and the
+        loop's progress), all but the random generators: each rank reseeds its own from --seed, its place in the
+        nominal world and the step, so that two groups never draw the same dropout masks."""
+        def state_dict() -> dict:
+            return {"components": {name: component.state_dict() for name, component in checkpointer.components.items()
+                                   if name != "replica_groups"}, "progress": asdict(progress)}
+
+        def load_state_dict(state: dict) -> None:
+            for name, component_state in state["components"].items():
+                checkpointer.components[name].load_state_dict(component_state)
+            vars(progress).update(state["progress"])
+            seed_per_rank(seed + progress.step, self.data_env(), self.device)
+            self.healed = True
+            log.info("healed from another replica group: step %d, epoch %d", progress.step, progress.epoch)
+
+        self.manager.register_state_dict_fn("training", load_state_dict, state_dict)
+
+    def start_step(self, progress: Any, model: torch.nn.Module, check_every: int) -> bool:
+        """This step's quorum, which heals this group if it is behind. True if it healed: the loop then starts
+        again from the progress it brought (its data position) and calls again, which joins the same step.
+
+        The groups' models are compared when the quorum changed (a group came or went: every group present sees
+        the same new one) and every `check_every` steps: conditions alike on every group, since each comparison is
+        a collective across them, as is each step's gradient all-reduce that follows."""
+        if not self.healed:  # else this step's quorum is the one that healed us
+            self.manager.start_quorum()
+            if self.healed:
+                return True
+        self.healed = False
+        quorum = self.manager._quorum_id  # torchft has no public name for it (pinned version)
+        if quorum != self.quorum or progress.step % check_every == 0:
+            if quorum != self.quorum:
+                log.info("step %d: %d of %d replica groups train", progress.step + 1,
+                         self.manager.num_participants(), self.count)
+            self.quorum = quorum
+            self.check_replicas_match(model, progress.step)
+        return False
+
+    def should_commit(self, step: int) -> bool:
+        """Whether every rank of this group, and the cross-group all-reduces, finished step `step`: else no
+        optimizer steps (the step is dropped here; a group that did commit it is healed from later). Asked once
+        per step, whatever the number of optimizers updated."""
+        if self.committing[0] != step:
+            self.committing = (step, self.manager.should_commit())
+        return self.committing[1]
+
+    def check_replicas_match(self, model: torch.nn.Module, step: int) -> None:
+        """Stop unless every group present holds the same parameters (one small all-reduce, like the groups'
+        own check in engine/replicas.py): a heal or a gradient averaged over other groups than its peers' would
+        otherwise train several models under one loss curve."""
+        sums = torch.stack([bit_sum(parameter) for parameter in model.parameters()]).to(self.device)
+        extremes = torch.cat([sums, -sums])
+        if not self.manager.allreduce(extremes, reduce_op=torch.distributed.ReduceOp.MAX).wait():
+            self.quorum = None  # a group was lost: this step is dropped anyway, and checked at the next quorum
+            return
+        if not torch.equal(extremes[:len(sums)], -extremes[len(sums):]):
+            raise UsageError(f"the replica groups hold different models at step {step} "
+                             f"({self.manager.num_participants()} groups present): stopping; resume from the "
+                             "newest checkpoint")
+
+    def checkpoint_entries(self) -> dict:
+        """torchft's own step count, saved with the rest: a job whose every group was lost resumes at it."""
+        return {"replica_groups": self.manager}
+
+    def describe(self) -> str:
+        return (f"replica group {self.id} of {self.count} (torchft): a lost group costs the others about a second "
+                f"and at most one step; while a group is away the batch is smaller and its samples for those steps "
+                f"are not trained on, so the run is not bitwise equal to an uninterrupted one; healing peers reach "
+                f"this group at {self.address}")
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
