@@ -15,6 +15,7 @@ epoch is the same whether or not the others are there.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from dataclasses import asdict
@@ -49,8 +50,9 @@ class ReplicaGroups:
         if not 0 <= self.id < count:
             raise UsageError(f"REPLICA_GROUP_ID={self.id}: with --replica-groups {count} it must be 0..{count - 1}")
         self.lighthouse = environ["TORCHFT_LIGHTHOUSE"]
-        # Where a healing group fetches this one's state: the address run_node.sh found toward the Lighthouse's
-        # machine. A hostname may resolve to another network there (Debian maps its own to 127.0.1.1; a
+        # Where the others reach this group (its Manager, and the state a healing group fetches): the address
+        # run_node.sh found toward the Lighthouse's machine. torchft would advertise this machine's hostname,
+        # which may resolve to another network there, or not at all (Debian maps its own to 127.0.1.1; a
         # cluster's to Ethernet instead of InfiniBand, meta-pytorch/torchft#329).
         self.address = environ.get("REPLICA_GROUP_ADDR") or address_toward(
             self.lighthouse.split("://")[-1].rsplit(":", 1)[0].strip("[]"))
@@ -60,19 +62,35 @@ class ReplicaGroups:
 
     def join(self, device: torch.device, store: StoreAddress, timeout: timedelta) -> None:
         """Start this group's Manager, which meets the Lighthouse (its ranks meet in this attempt's store)."""
+        from torchft.checkpointing.http_transport import HTTPTransport
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        advertised = self.address  # where torchft would name socket.gethostname(): the state a healing group
+        # fetches, and the store on which the groups' process group is made
+
+        class AdvertisedTransport(HTTPTransport):
+            def address(self) -> str:
+                return f"http://{advertised}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+        def advertising(kind: type) -> type:
+            class Advertised(kind):
+                def get_reconfigure_handle(self) -> str:
+                    handle = json.loads(super().get_reconfigure_handle())
+                    handle["store"] = f"{advertised}:{handle['store'].rsplit(':', 1)[1]}"
+                    return json.dumps(handle)
+            return Advertised
 
         self.device = device
         for name in ("torchft", "torchft_quorums", "torchft_commits"):  # a line per step otherwise
             logging.getLogger(name).setLevel(logging.WARNING)
-        across = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        across = advertising(ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo)(timeout=timeout)
         self.manager = Manager(
             pg=across, load_state_dict=None, state_dict=None, min_replica_size=1, use_async_quorum=False,
             timeout=timeout, quorum_timeout=timedelta(seconds=60), connect_timeout=timedelta(seconds=60),
             rank=self.env.rank, world_size=self.env.world_size, store_addr=store.host, store_port=store.port,
             lighthouse_addr=self.lighthouse, replica_id=f"group{self.id}", hostname=self.address,
-            heartbeat_interval=HEARTBEAT)
+            heartbeat_interval=HEARTBEAT, checkpoint_transport=AdvertisedTransport(timeout=timeout, num_chunks=0))
 
     def data_env(self) -> DistEnv:
         """The data's view of this rank: rank group x ranks + rank of N x ranks, as if every group were present."""
@@ -181,8 +199,8 @@ class ReplicaGroups:
     def describe(self) -> str:
         return (f"replica group {self.id} of {self.count} (torchft): a lost group costs the others about a second "
                 f"and at most one step; while a group is away the batch is smaller and its samples for those steps "
-                f"are not trained on, so the run is not bitwise equal to an uninterrupted one; healing peers reach "
-                f"this group at {self.address}")
+                f"are not trained on, so the run is not bitwise equal to an uninterrupted one; a healing group fetches "
+                f"this one's state from {self.manager._checkpoint_transport.metadata()}")
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
