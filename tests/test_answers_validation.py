@@ -54,6 +54,8 @@ INVALID_ANSWERS = [
     ({"max_restarts": "-1"}, "max_restarts", "whole number >= 0"),
     ({"gpus_per_node": "-1"}, "gpus_per_node", "whole number >= 0"),
     ({"gpus_per_node": "eight"}, "gpus_per_node", "whole number >= 0"),
+    ({"fault_tolerance": "elastic"}, "fault_tolerance", "must be restart or torchft"),
+    ({"fault_tolerance": "torchft", "use_streaming": "yes"}, "fault_tolerance", "map-style training sets only"),
 ]
 
 

@@ -186,7 +186,7 @@ def test_recorded_answers_are_every_answer_given(default_project):
         "author": "Your Name", "nnodes": "1", "nproc_per_node": "auto", "rdzv_port": "29400", "max_restarts": "3",
         "gpus_per_node": "8", "use_slurm": "yes", "use_kubernetes": "no", "use_docker": "yes", "use_preflight": "no",
         "use_profiling": "no", "use_export": "no", "use_trackers": "no", "use_streaming": "no",
-        "strategy": "ddp", "task": "image_classification"}
+        "strategy": "ddp", "task": "image_classification", "fault_tolerance": "restart"}
 
 
 POST_GEN = import_hook("post_gen_project")
@@ -239,6 +239,22 @@ def test_help_shows_each_default_once(baked_train, capsys, monkeypatch):
         assert block.count("(default:") <= 1, block
     assert "(default: None)" not in result.stdout
     assert re.search(r"--max-steps MAX_STEPS\s+stop after.*?\(default: no limit\)", result.stdout, re.DOTALL)
+
+
+def test_the_torchft_answer_adds_its_module_doc_and_extra_and_nothing_else_names_them(bake, default_project):
+    project = bake(fault_tolerance="torchft")
+    assert project_files(project) - project_files(default_project) == {"ddp_training/replica_groups.py",
+                                                                        "docs/replica-groups.md"}
+    assert_fully_rendered(project)
+    for check in (["ruff", "check", "--no-cache", "."], ["shellcheck", "run_node.sh"]):
+        result = run(check, cwd=project)
+        assert result.returncode == 0, result.stdout + result.stderr
+    extras = tomllib.loads((project / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["torchft"] == ["torchft-nightly==2026.10.26"]
+    # The default bake says nothing of a mode it lacks.
+    for name in project_files(default_project):
+        text = (default_project / name).read_text().lower()
+        assert "torchft" not in text and "replica group" not in text and "replica_group" not in text, name
 
 
 def test_generated_project_is_lint_clean(default_project, full_project):

@@ -73,6 +73,8 @@ if [[ "${1:-}" == --lighthouse || "$REPLICA_GROUPS" != 0 ]]; then
   # that is starting (heartbeating) is waited for at most 2 s.
   LIGHTHOUSE=(torchft_lighthouse --min_replicas 1 --join_timeout_ms 2000 --heartbeat_timeout_ms 1000
     --bind "[::]:${ENDPOINT##*:}")
+  # torchft's own log (the Lighthouse's and each Manager's): a few lines per step at info.
+  export RUST_LOG="${RUST_LOG:-warn}"
   if [[ "${1:-}" == --lighthouse ]]; then
     exec "${LIGHTHOUSE[@]}"
   fi

@@ -179,18 +179,25 @@ class ReplicaGroups:
         return self.committing[1]
 
     def check_replicas_match(self, model: torch.nn.Module, step: int) -> None:
-        """Stop unless every group present holds the same parameters (one small all-reduce, like the groups'
-        own check in engine/replicas.py): a heal or a gradient averaged over other groups than its peers' would
-        otherwise train several models under one loss curve."""
-        sums = torch.stack([bit_sum(parameter) for parameter in model.parameters()]).to(self.device)
-        extremes = torch.cat([sums, -sums])
+        """Stop unless every group present holds the same parameters, and has as many ranks and groups as this
+        one (one small all-reduce, like each group's own check in engine/replicas.py): a heal or a gradient
+        averaged over others than its peers' would train several models under one loss curve, and groups of
+        other sizes would split the data differently, training some samples twice and others never."""
+        shape = torch.tensor([self.env.world_size, self.count])
+        sums = torch.cat([shape, torch.stack([bit_sum(parameter).cpu() for parameter in model.parameters()])])
+        extremes = torch.cat([sums, -sums]).to(self.device)
         if not self.manager.allreduce(extremes, reduce_op=torch.distributed.ReduceOp.MAX).wait():
             self.quorum = None  # a group was lost: this step is dropped anyway, and checked at the next quorum
             return
-        if not torch.equal(extremes[:len(sums)], -extremes[len(sums):]):
+        largest, smallest = extremes[:len(sums)].cpu(), -extremes[len(sums):].cpu()
+        if not torch.equal(largest[:2], smallest[:2]):
+            raise UsageError(f"the replica groups differ in size: {smallest[0]}-{largest[0]} ranks, "
+                             f"--replica-groups {smallest[1]}-{largest[1]}; give every machine the same "
+                             "NPROC_PER_NODE and REPLICA_GROUPS")
+        if not torch.equal(largest, smallest):
             raise UsageError(f"the replica groups hold different models at step {step} "
-                             f"({self.manager.num_participants()} groups present): stopping; resume from the "
-                             "newest checkpoint")
+                             f"({self.manager.num_participants()} groups present); stopping: resume from the "
+                             "newest checkpoints")
 
     def checkpoint_entries(self) -> dict:
         """torchft's own step count, saved with the rest: a job whose every group was lost resumes at it."""

@@ -1,0 +1,159 @@
+"""fault_tolerance=torchft: replica groups that keep training while one of them is killed and restarted.
+
+Each group is a run_node.sh (its own torchrun) on this machine; a group's rank kills itself with SIGKILL inside
+step 20's backward, once the last layers' gradient buckets went out, so the survivors are waiting for a bucket
+that never comes: the worst moment. Timings (the survivors' stall, the rejoin) are measured in
+benchmarks/torchft_groups.py, not here."""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+from helpers import assert_same, checkpoint, free_port, start_job, tiny_run, wait_for, with_task_code
+
+pytestmark = pytest.mark.slow  # torchrun jobs: `make test-fast` leaves these out
+
+# Appended to task.py: group 1's rank KILLED_RANK dies by SIGKILL in step 20's backward, in its first attempt only.
+KILL_INSIDE_BACKWARD = '''
+
+import dataclasses as _dataclasses
+import os as _os
+import signal as _signal
+
+_compute_loss = TASK.compute_loss
+
+
+def _dies_inside_backward(model, batch, step):
+    loss = _compute_loss(model, batch, step)
+    group, attempt = _os.environ.get("REPLICA_GROUP_ID"), _os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if group == "1" and attempt == "0" and _os.environ.get("LOCAL_RANK") == "KILLED_RANK" and step.number == 20:
+        first = next(parameter for parameter in model.parameters() if parameter.requires_grad)
+        first.register_hook(lambda grad: _os.kill(_os.getpid(), _signal.SIGKILL))  # its gradient comes last
+    rejoined = _os.environ["REJOINED"]  # a file group 1 writes once it trains again
+    if group == "1" and attempt == "1":
+        open(rejoined, "a").close()
+    elif group == "0" and step.number > 20 and not _os.path.exists(rejoined):
+        __import__("time").sleep(0.5)  # a slow step while alone: the run must not end before group 1 is back
+    return loss
+
+
+TASK = _dataclasses.replace(TASK, compute_loss=_dies_inside_backward)
+'''
+
+
+@pytest.fixture(scope="module")
+def torchft_project(bake) -> Path:
+    return bake(fault_tolerance="torchft")
+
+
+def start_groups(project: Path, args: list[str], nproc: int, lighthouse_port: int, logs: Path,
+                 **env: str) -> list[subprocess.Popen]:
+    """Two replica groups as two machines would start them: the same command, REPLICA_GROUP_ID apart. Each
+    writes to a file (logs/group-N.log): a pipe read only at the end would fill and stop a group mid-step,
+    and with it the other, waiting on its gradients."""
+    logs.mkdir(exist_ok=True)
+    return [start_job(project, args, via="run_node.sh", nproc=nproc, max_restarts=1, REPLICA_GROUPS="2",
+                      REPLICA_GROUP_ID=str(group), RDZV_ENDPOINT=f"localhost:{lighthouse_port}",
+                      REJOINED=str(project / "rejoined"), RUST_LOG="info",  # the Lighthouse's quorums
+                      stdout=(logs / f"group-{group}.log").open("w"), **env)
+            for group in (0, 1)]
+
+
+def outputs_of(groups: list[subprocess.Popen], logs: Path, timeout: float = 240) -> list[str]:
+    for group in groups:
+        group.wait(timeout=timeout)
+    outputs = [(logs / f"group-{number}.log").read_text() for number in range(len(groups))]
+    assert [group.returncode for group in groups] == [0, 0], "\n-----\n".join(output[-5000:] for output in outputs)
+    return outputs
+
+
+def the_same_model(ckpt_dir: Path, step: int) -> None:
+    """Both groups' checkpoints of `step` hold one training state, bit for bit: the model, the optimizer, the lr
+    schedule, the loop's progress and torchft's own step count (each rank's generators are their own)."""
+    first, second = (checkpoint(ckpt_dir / f"replica-group-{group}", step) for group in (0, 1))
+    for entry in ("model", "optimizer", "lr_schedule", "grad_scaler", "replica_groups", "step", "epoch",
+                  "samples_in_epoch", "samples_seen"):
+        assert_same(second[entry], first[entry], entry)
+
+
+def test_survivors_keep_training_through_a_kill_inside_backward_and_the_killed_group_heals(torchft_project,
+                                                                                          tmp_path):
+    project = with_task_code(torchft_project, tmp_path, KILL_INSIDE_BACKWARD.replace("KILLED_RANK", "0"))
+    ckpt_dir = tmp_path / "ckpt"
+    args = tiny_run(num_workers=0, max_steps=60, ckpt_every=10, batch_size=16, ckpt_dir=ckpt_dir)
+    logs = tmp_path / "logs"
+    survivor, restarted = outputs_of(start_groups(project, args, nproc=1, lighthouse_port=free_port(), logs=logs),
+                                     logs)
+
+    # run_node.sh started the Lighthouse with group 0, and each group advertised the address it found toward
+    # it: for the Manager, the store on which the groups' process group is made, and the state a healing group
+    # fetches; never this machine's hostname, which may resolve elsewhere on another machine.
+    address = re.search(r"replica group 1 of 2 .* address=(\S+)", restarted)[1]
+    assert address == "127.0.0.1", restarted
+    lighthouse = re.findall(r"Quorum! .*", survivor)
+    assert lighthouse and "Lighthouse listening" in survivor, survivor[-5000:]
+    named = set(re.findall(r'(?:address: "http://|\\"store\\": \\")([^:"\\]+):', "".join(lighthouse)))
+    assert named == {address} and socket.gethostname() not in named, lighthouse[-1]
+    assert f"fetches this one's state from http://{address}:" in restarted, restarted[-5000:]
+    assert "not bitwise equal to an uninterrupted one" in survivor, survivor[-5000:]  # what the mode gives up
+
+    # The survivor went on alone from the step the kill cut short; the killed group restarted once and healed at
+    # the survivors' step, not from step 0 nor from its own newest checkpoint (step 10); then both trained again.
+    assert "exitcode: -9" in restarted and "restart=1" in restarted and "restart=1" not in survivor, restarted[-5000:]
+    alone = [int(step) for step in re.findall(r"step (\d+): 1 of 2 replica groups train", survivor)]
+    assert {20, 21} & set(alone), survivor[-5000:]  # (also at step 1 if group 1 came after the first quorum)
+    after_restart = restarted[restarted.index("restart=1"):]
+    assert f"resuming from {ckpt_dir}/replica-group-1/step-10.pt" in after_restart, after_restart[-5000:]  # its newest
+    healed = [int(step) for step in re.findall(r"healed from another replica group: step (\d+)", after_restart)]
+    assert len(healed) == 1 and healed[0] > 21, after_restart[-5000:]
+    assert f"step {healed[0] + 1}: 2 of 2 replica groups train" in survivor, survivor[-5000:]
+
+    # One model from there on, and at most one step dropped: the one the kill was inside of (torchft counts
+    # committed steps, the loop every step).
+    for step in (50, 60):
+        the_same_model(ckpt_dir, step)
+    final = checkpoint(ckpt_dir / "replica-group-0", 60)
+    assert final["replica_groups"]["step"] == 59, final["replica_groups"]
+
+
+def test_groups_of_two_ranks_heal_save_on_sigterm_and_a_job_that_lost_every_group_resumes(torchft_project, tmp_path):
+    # The Lighthouse as a command of its own (a Slurm step, a Kubernetes pod), not started by group 0.
+    project = with_task_code(torchft_project, tmp_path, KILL_INSIDE_BACKWARD.replace("KILLED_RANK", "1"))
+    port, ckpt_dir = free_port(), tmp_path / "ckpt"
+    lighthouse = start_job(project, ["--lighthouse"], via="run_node.sh", RDZV_ENDPOINT=f"localhost:{port}",
+                           stdout=subprocess.DEVNULL)
+    try:
+        given = {"TORCHFT_LIGHTHOUSE": f"http://localhost:{port}"}
+        args = tiny_run(num_workers=0, max_steps=200, ckpt_every=10, ckpt_dir=ckpt_dir)
+        groups = start_groups(project, args, nproc=2, lighthouse_port=port, logs=tmp_path / "stopped", **given)
+        # Past the kill and the heal, every group is stopped as a scheduler stops a job: SIGTERM to each.
+        wait_for(ckpt_dir / "replica-group-1" / "step-40.pt", groups[1], timeout=200)
+        for group in groups:
+            group.send_signal(signal.SIGTERM)
+        for group in groups:
+            group.wait(timeout=200)
+        outputs = [(tmp_path / "stopped" / f"group-{number}.log").read_text() for number in (0, 1)]
+        assert all("stopped by SIGTERM after step" in output for output in outputs), "\n-----\n".join(outputs)
+        stopped = [int(re.search(r"stopped by SIGTERM after step (\d+)", output)[1]) for output in outputs]
+        assert "exitcode: -9" in outputs[1] and int(re.findall(
+            r"healed from another replica group: step (\d+)", outputs[1])[-1]) > 21, outputs[1][-5000:]
+        # Both groups saved where they stopped (each its own folder), and a new job resumes from those
+        # checkpoints: each group from its own, the one behind healed from the other (never from step 0).
+        for group, step in enumerate(stopped):
+            assert (ckpt_dir / f"replica-group-{group}" / f"step-{step}.pt").exists(), stopped
+        end = max(stopped) + 10
+        resumed = outputs_of(start_groups(project, tiny_run(num_workers=0, max_steps=end, ckpt_every=10,
+                                                            ckpt_dir=ckpt_dir), nproc=2, lighthouse_port=port,
+                                          logs=tmp_path / "resumed", **given), tmp_path / "resumed")
+        for group, output in enumerate(resumed):
+            assert f"resuming from {ckpt_dir}/replica-group-{group}/step-{stopped[group]}.pt" in output, output[-5000:]
+            assert "healed from another replica group: step 0," not in output, output[-5000:]
+        the_same_model(ckpt_dir, end)
+    finally:
+        lighthouse.terminate()
+        lighthouse.wait(timeout=30)
