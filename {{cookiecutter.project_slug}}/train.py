@@ -196,6 +196,8 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
 {%- if cookiecutter.fault_tolerance == "torchft" %}
     if groups is not None:  # what a group that joins late copies from a running one: all of the above
         groups.share(checkpointer, progress, options.seed)
+        with watchdog.slow_phase("waiting for every replica group"):
+            groups.wait_for_the_others()
 {%- endif %}
     # What --grad-accum and a resize do to a loss that couples a batch's samples (contrastive, BatchNorm).
     check_coupled_batch(task.loss_couples, task.keep_coupled_batch, model, options, env.world_size,

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import logging
 import os
+import time
 from dataclasses import asdict
 from datetime import timedelta
 from types import SimpleNamespace
@@ -34,6 +35,7 @@ from .engine.reproducibility import seed_per_rank
 
 log = logging.getLogger(__name__)
 
+START_TIMEOUT = 600  # seconds a starting job waits for all its groups, as torchrun's rendezvous does
 HEARTBEAT = timedelta(milliseconds=100)  # the Manager's beat to the Lighthouse (its --heartbeat_timeout_ms: 1000)
 
 
@@ -148,6 +150,23 @@ class ReplicaGroups:
             log.info("healed from another replica group: step %d, epoch %d", progress.step, progress.epoch)
 
         self.manager.register_state_dict_fn("training", load_state_dict, state_dict)
+
+    def wait_for_the_others(self) -> None:
+        """At a job's start (not a group's restart by its torchrun: that one joins the running groups), quorums
+        until every group is in one, for at most START_TIMEOUT seconds, lest the first group up train alone
+        (and the others heal from it when they come). A group behind the others heals here, before training."""
+        if self.env.restart_count:
+            return
+        deadline = time.monotonic() + START_TIMEOUT
+        self.manager.start_quorum()
+        while self.manager.num_participants() < self.count:
+            if time.monotonic() > deadline:
+                log.warning("only %d of %d replica groups came within %d s; training without the others, which "
+                            "join when they come", self.manager.num_participants(), self.count, START_TIMEOUT)
+                break
+            time.sleep(0.5)
+            self.manager.start_quorum()
+        self.healed = False  # the loop starts from what a heal brought
 
     def start_step(self, progress: Any, model: torch.nn.Module, check_every: int) -> bool:
         """This step's quorum, which heals this group if it is behind. True if it healed: the loop then starts
