@@ -7,6 +7,7 @@ benchmarks/torchft_groups.py, not here."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
@@ -14,7 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import assert_same, checkpoint, free_port, start_job, tiny_run, wait_for, with_task_code
+from helpers import assert_same, checkpoint, free_port, start_job, tiny_run, wait_for, with_task_code, worker_pids
 
 pytestmark = pytest.mark.slow  # torchrun jobs: `make test-fast` leaves these out
 
@@ -85,7 +86,8 @@ def test_survivors_keep_training_through_a_kill_inside_backward_and_the_killed_g
                                                                                           tmp_path):
     project = with_task_code(torchft_project, tmp_path, KILL_INSIDE_BACKWARD.replace("KILLED_RANK", "0"))
     ckpt_dir = tmp_path / "ckpt"
-    args = tiny_run(num_workers=0, max_steps=60, ckpt_every=10, batch_size=16, ckpt_dir=ckpt_dir)
+    args = tiny_run(num_workers=0, max_steps=60, ckpt_every=10, batch_size=16, ckpt_dir=ckpt_dir,
+                    sample_log=tmp_path / "samples")
     logs = tmp_path / "logs"
     survivor, restarted = outputs_of(start_groups(project, args, nproc=1, lighthouse_port=free_port(), logs=logs),
                                      logs)
@@ -120,9 +122,15 @@ def test_survivors_keep_training_through_a_kill_inside_backward_and_the_killed_g
         the_same_model(ckpt_dir, step)
     final = checkpoint(ckpt_dir / "replica-group-0", 60)
     assert final["replica_groups"]["step"] == 59, final["replica_groups"]
+    # The data is split as if both groups were there: in the first epoch (16 steps of 2 x 16 samples, before
+    # the kill) each group read its own half of the 512 samples.
+    halves = [list(dict.fromkeys((tmp_path / "samples" / f"rank-{group}.txt").read_text().split()))[:256]
+              for group in (0, 1)]  # what each loaded: a group that healed loads its next batch again
+    assert not set(halves[0]) & set(halves[1]) and len(set(halves[0]) | set(halves[1])) == 512
 
 
-def test_groups_of_two_ranks_heal_save_on_sigterm_and_a_job_that_lost_every_group_resumes(torchft_project, tmp_path):
+def test_groups_of_two_ranks_heal_and_a_job_stopped_and_killed_whole_resumes_from_checkpoints(torchft_project,
+                                                                                               tmp_path):
     # The Lighthouse as a command of its own (a Slurm step, a Kubernetes pod), not started by group 0.
     project = with_task_code(torchft_project, tmp_path, KILL_INSIDE_BACKWARD.replace("KILLED_RANK", "1"))
     port, ckpt_dir = free_port(), tmp_path / "ckpt"
@@ -132,30 +140,31 @@ def test_groups_of_two_ranks_heal_save_on_sigterm_and_a_job_that_lost_every_grou
         given = {"TORCHFT_LIGHTHOUSE": f"http://localhost:{port}"}
         args = tiny_run(num_workers=0, max_steps=200, ckpt_every=10, ckpt_dir=ckpt_dir)
         groups = start_groups(project, args, nproc=2, lighthouse_port=port, logs=tmp_path / "stopped", **given)
-        # Past the kill and the heal, every group is stopped as a scheduler stops a job: SIGTERM to each.
+        # Past the kill and the heal, the job ends: group 0 is stopped as a scheduler stops a machine (SIGTERM),
+        # group 1 is lost whole (SIGKILL to its torchrun and every rank).
         wait_for(ckpt_dir / "replica-group-1" / "step-40.pt", groups[1], timeout=200)
-        for group in groups:
-            group.send_signal(signal.SIGTERM)
+        for pid in [groups[1].pid, *worker_pids(groups[1])]:  # torchrun's workers have sessions of their own
+            os.kill(pid, signal.SIGKILL)
+        groups[0].send_signal(signal.SIGTERM)
         for group in groups:
             group.wait(timeout=200)
         outputs = [(tmp_path / "stopped" / f"group-{number}.log").read_text() for number in (0, 1)]
-        assert all("stopped by SIGTERM after step" in output for output in outputs), "\n-----\n".join(outputs)
-        stopped = [int(re.search(r"stopped by SIGTERM after step (\d+)", output)[1]) for output in outputs]
         assert "exitcode: -9" in outputs[1] and int(re.findall(
             r"healed from another replica group: step (\d+)", outputs[1])[-1]) > 21, outputs[1][-5000:]
-        # Both groups saved where they stopped (each its own folder), and a new job resumes from those
-        # checkpoints: each group from its own, the one behind healed from the other (never from step 0).
-        for group, step in enumerate(stopped):
-            assert (ckpt_dir / f"replica-group-{group}" / f"step-{step}.pt").exists(), stopped
-        end = max(stopped) + 10
+        stopped = int(re.search(r"stopped by SIGTERM after step (\d+)", outputs[0])[1])
+        assert (ckpt_dir / "replica-group-0" / f"step-{stopped}.pt").exists(), outputs[0][-5000:]  # saved on SIGTERM
+        newest = max(int(path.stem.split("-")[1]) for path in (ckpt_dir / "replica-group-1").glob("step-*.pt"))
+        assert 40 <= newest <= stopped, (newest, stopped)
+        # A new job resumes from those checkpoints, each group from its own; the one behind heals from the other
+        # before training (never from step 0).
+        end = stopped + 10
         resumed = outputs_of(start_groups(project, tiny_run(num_workers=0, max_steps=end, ckpt_every=10,
                                                             ckpt_dir=ckpt_dir), nproc=2, lighthouse_port=port,
                                           logs=tmp_path / "resumed", **given), tmp_path / "resumed")
-        for group, output in enumerate(resumed):
-            assert f"resuming from {ckpt_dir}/replica-group-{group}/step-{stopped[group]}.pt" in output, output[-5000:]
-            assert f"step {max(stopped) + 1}: 2 of 2 replica groups train" in output, output[-5000:]
-            behind = stopped[group] < max(stopped)
-            assert (f"healed from another replica group: step {max(stopped)}," in output) == behind, output[-5000:]
+        for group, (output, step) in enumerate(zip(resumed, (stopped, newest), strict=True)):
+            assert f"resuming from {ckpt_dir}/replica-group-{group}/step-{step}.pt" in output, output[-5000:]
+            assert f"step {stopped + 1}: 2 of 2 replica groups train" in output, output[-5000:]
+            assert (f"healed from another replica group: step {stopped}," in output) == (step < stopped), output
         the_same_model(ckpt_dir, end)
     finally:
         lighthouse.terminate()

@@ -92,6 +92,7 @@ class ReplicaGroups:
             timeout=timeout, quorum_timeout=timedelta(seconds=60), connect_timeout=timedelta(seconds=60),
             rank=self.env.rank, world_size=self.env.world_size, store_addr=store.host, store_port=store.port,
             lighthouse_addr=self.lighthouse, replica_id=f"group{self.id}", hostname=self.address,
+            init_sync=False,  # step 0: every group built the same model from --seed (and checks it: below)
             heartbeat_interval=HEARTBEAT, checkpoint_transport=AdvertisedTransport(timeout=timeout, num_chunks=0))
 
     def data_env(self) -> DistEnv:
