@@ -43,7 +43,12 @@ def _dies_inside_backward(model, batch, step):
     return loss
 
 
-TASK = _dataclasses.replace(TASK, compute_loss=_dies_inside_backward)
+def _normalized_cnn(options, train_set):  # BatchNorm's running statistics: buffers, which gradients do not sync
+    return nn.Sequential(nn.BatchNorm2d(3), small_cnn(options, train_set))
+
+
+TASK = _dataclasses.replace(TASK, compute_loss=_dies_inside_backward,
+                            models={**TASK.models, "normalized_cnn": _normalized_cnn})
 '''
 
 
@@ -74,8 +79,9 @@ def outputs_of(groups: list[subprocess.Popen], logs: Path, timeout: float = 240)
 
 
 def the_same_model(ckpt_dir: Path, step: int) -> None:
-    """Both groups' checkpoints of `step` hold one training state, bit for bit: the model, the optimizer, the lr
-    schedule, the loop's progress and torchft's own step count (each rank's generators are their own)."""
+    """Both groups' checkpoints of `step` hold one training state, bit for bit: the model (its buffers too), the
+    optimizer, the lr schedule, the loop's progress and torchft's own step count (each rank's generators are
+    their own)."""
     first, second = (checkpoint(ckpt_dir / f"replica-group-{group}", step) for group in (0, 1))
     for entry in ("model", "optimizer", "lr_schedule", "grad_scaler", "replica_groups", "step", "epoch",
                   "samples_in_epoch", "samples_seen"):
@@ -87,7 +93,7 @@ def test_survivors_keep_training_through_a_kill_inside_backward_and_the_killed_g
     project = with_task_code(torchft_project, tmp_path, KILL_INSIDE_BACKWARD.replace("KILLED_RANK", "0"))
     ckpt_dir = tmp_path / "ckpt"
     args = tiny_run(num_workers=0, max_steps=60, ckpt_every=10, batch_size=16, ckpt_dir=ckpt_dir,
-                    sample_log=tmp_path / "samples")
+                    sample_log=tmp_path / "samples", model="normalized_cnn")
     logs = tmp_path / "logs"
     survivor, restarted = outputs_of(start_groups(project, args, nproc=1, lighthouse_port=free_port(), logs=logs),
                                      logs)
@@ -138,7 +144,7 @@ def test_groups_of_two_ranks_heal_and_a_job_stopped_and_killed_whole_resumes_fro
                            stdout=subprocess.DEVNULL)
     try:
         given = {"TORCHFT_LIGHTHOUSE": f"http://localhost:{port}"}
-        args = tiny_run(num_workers=0, max_steps=200, ckpt_every=10, ckpt_dir=ckpt_dir)
+        args = tiny_run(num_workers=0, max_steps=200, ckpt_every=10, ckpt_dir=ckpt_dir, model="normalized_cnn")
         groups = start_groups(project, args, nproc=2, lighthouse_port=port, logs=tmp_path / "stopped", **given)
         # Past the kill and the heal, the job ends: group 0 is stopped as a scheduler stops a machine (SIGTERM),
         # group 1 is lost whole (SIGKILL to its torchrun and every rank).
@@ -159,7 +165,8 @@ def test_groups_of_two_ranks_heal_and_a_job_stopped_and_killed_whole_resumes_fro
         # before training (never from step 0).
         end = stopped + 10
         resumed = outputs_of(start_groups(project, tiny_run(num_workers=0, max_steps=end, ckpt_every=10,
-                                                            ckpt_dir=ckpt_dir), nproc=2, lighthouse_port=port,
+                                                            ckpt_dir=ckpt_dir, model="normalized_cnn"), nproc=2,
+                                          lighthouse_port=port,
                                           logs=tmp_path / "resumed", **given), tmp_path / "resumed")
         for group, (output, step) in enumerate(zip(resumed, (stopped, newest), strict=True)):
             assert f"resuming from {ckpt_dir}/replica-group-{group}/step-{step}.pt" in output, output[-5000:]

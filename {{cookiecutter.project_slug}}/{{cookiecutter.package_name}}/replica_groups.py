@@ -188,13 +188,30 @@ class ReplicaGroups:
                          self.manager.num_participants(), self.count)
             self.quorum = quorum
             self.check_replicas_match(model, progress.step)
+        self.model = model
         return False
+
+    def average_buffers(self, model: torch.nn.Module) -> None:
+        """The groups' buffers (BatchNorm's running statistics) averaged after every step's forward: gradients
+        keep the parameters one model, but each group's buffers follow its own batches, and evaluations and
+        checkpoints would differ between groups. (Within a group, DDP gives every rank rank 0's at each forward,
+        and a save takes rank 0's.) A failed all-reduce leaves them as they were."""
+        for dtype in dict.fromkeys(buffer.dtype for buffer in model.buffers()):  # in one order on every group
+            buffers = [buffer for buffer in model.buffers() if buffer.dtype == dtype]
+            flat = torch.cat([buffer.detach().flatten() for buffer in buffers])
+            op = torch.distributed.ReduceOp.AVG if dtype.is_floating_point else torch.distributed.ReduceOp.MAX
+            if not self.manager.allreduce(flat, reduce_op=op).wait():
+                return
+            with torch.no_grad():
+                for buffer, value in zip(buffers, flat.split([buffer.numel() for buffer in buffers]), strict=True):
+                    buffer.copy_(value.view_as(buffer))
 
     def should_commit(self, step: int) -> bool:
         """Whether every rank of this group, and the cross-group all-reduces, finished step `step`: else no
         optimizer steps (the step is dropped here; a group that did commit it is healed from later). Asked once
         per step, whatever the number of optimizers updated."""
         if self.committing[0] != step:
+            self.average_buffers(self.model)  # as this step's forward left them
             self.committing = (step, self.manager.should_commit())
         return self.committing[1]
 
@@ -216,8 +233,9 @@ class ReplicaGroups:
                              "NPROC_PER_NODE and REPLICA_GROUPS")
         if not torch.equal(largest, smallest):
             raise UsageError(f"the replica groups hold different models at step {step} "
-                             f"({self.manager.num_participants()} groups present); stopping: resume from the "
-                             "newest checkpoints")
+                             f"({self.manager.num_participants()} groups present): " + (
+                                 "give every machine the same command and code (--seed, --model, task.py)"
+                                 if step == 0 else "stopping; resume from the newest checkpoints"))
 
     def checkpoint_entries(self) -> dict:
         """torchft's own step count, saved with the rest: a job whose every group was lost resumes at it."""
