@@ -9,7 +9,8 @@ image task's small CNN on fake 16-px images, 16 per rank per step, no loader wor
   ranks (the same global batch), each run `--trials` times;
 - a kill: group 1's rank kills itself with SIGKILL at step 20, either inside backward (a gradient hook on the
   first layer, whose gradient comes last: the survivor waits for a bucket that never comes) or between steps
-  (in Task.after_step of step 19, after its commit). Per trial: the survivor's stall (its longest gap between
+  (in Task.after_step of step 19, after its commit), or inside the write of its step-20 checkpoint (torch.save
+  replaced by one that writes half a file and dies). Per trial: the survivor's stall (its longest gap between
   two logged steps after the kill, less its median gap), the steps it dropped (its step count less torchft's
   committed ones), the seconds from the kill to the restarted group's heal, the step it healed at, and whether
   both groups' final checkpoints hold the same model and optimizer bit for bit.
@@ -31,7 +32,7 @@ from common import bake_default_project, child_env, scratch_dir, spread
 
 STEPS = 100
 ARGS = ["--model", "small_cnn", "--data", "fake", "--fake-samples", "2048", "--image-size", "16", "--batch-size", "16",
-        "--device", "cpu", "--num-workers", "0", "--log-every", "1", "--ckpt-every", "50", "--max-steps", str(STEPS)]
+        "--device", "cpu", "--num-workers", "0", "--log-every", "1", "--ckpt-every", "20", "--max-steps", str(STEPS)]
 
 KILL = '''
 
@@ -70,6 +71,18 @@ def _after_step_that_may_die(step):
         _die()
 
 
+_torch_save = torch.save
+
+
+def _save_that_may_die(state, file, *args, **kwargs):  # a checkpoint's write, cut short half-way
+    if _os.environ.get("KILL") == "save" and _first_attempt_of_group("1") and state.get("step") == 20:
+        file.write(b"PK half a checkpoint")
+        file.flush()
+        _die()
+    return _torch_save(state, file, *args, **kwargs)
+
+
+torch.save = _save_that_may_die
 TASK = _dataclasses.replace(TASK, compute_loss=_compute_loss_that_may_die, after_step=_after_step_that_may_die)
 '''
 
@@ -151,7 +164,7 @@ def main() -> None:
               "replica groups", flush=True)
     print(f"seconds per step, median (min-max) of {arguments.trials}: default {spread(default, '.4f')}, replica "
           f"groups {spread(groups, '.4f')}")
-    for kill in ("backward", "between"):
+    for kill in ("backward", "between", "save"):
         results = []
         for trial in range(arguments.trials):
             results.append(kill_trial(project, scratch / f"{kill}-{trial}", kill, arguments.port))

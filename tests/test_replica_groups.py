@@ -116,6 +116,8 @@ def test_survivors_keep_training_through_a_kill_inside_backward_and_the_killed_g
     assert "exitcode: -9" in restarted and "restart=1" in restarted and "restart=1" not in survivor, restarted[-5000:]
     alone = [int(step) for step in re.findall(r"step (\d+): 1 of 2 replica groups train", survivor)]
     assert {20, 21} & set(alone), survivor[-5000:]
+    dropped = re.findall(r"step (\d+) dropped: a replica group was lost during it", survivor)
+    assert dropped == ["20"], survivor[-5000:]
     after_restart = restarted[restarted.index("restart=1"):]
     assert f"resuming from {ckpt_dir}/replica-group-1/step-10.pt" in after_restart, after_restart[-5000:]  # its newest
     healed = [int(step) for step in re.findall(r"healed from another replica group: step (\d+)", after_restart)]

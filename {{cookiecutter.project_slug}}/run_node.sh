@@ -86,16 +86,33 @@ if [[ "${1:-}" == --lighthouse || "$REPLICA_GROUPS" != 0 ]]; then
   if [[ -z "${TORCHFT_LIGHTHOUSE:-}" && "$REPLICA_GROUP_ID" == 0 ]]; then
     "${LIGHTHOUSE[@]}" &
     LIGHTHOUSE_PID=$!
+    sleep 0.5
+    kill -0 "$LIGHTHOUSE_PID" 2>/dev/null || fail "the Lighthouse did not start on port ${ENDPOINT##*:} (taken?); choose another in RDZV_ENDPOINT"
   fi
   export TORCHFT_LIGHTHOUSE="${TORCHFT_LIGHTHOUSE:-http://$ENDPOINT}"
   LIGHTHOUSE_HOST="${TORCHFT_LIGHTHOUSE#*://}"
   LIGHTHOUSE_HOST="${LIGHTHOUSE_HOST%:*}"
   LIGHTHOUSE_IP="$(getent ahostsv4 "$LIGHTHOUSE_HOST" | awk 'NR == 1 { print $1 }' || true)"
   [[ -n "$LIGHTHOUSE_IP" ]] || fail "the Lighthouse's host '$LIGHTHOUSE_HOST' does not resolve here"
-  # Where healing groups reach this one: our address on the route toward the Lighthouse, not what the hostname
-  # resolves to (meta-pytorch/torchft#329).
-  export REPLICA_GROUP_ADDR="${REPLICA_GROUP_ADDR:-$(ip -o route get "$LIGHTHOUSE_IP" 2>/dev/null | awk '{ for (i = 1; i < NF; i++) if ($i == "src") print $(i + 1) }')}"
-  export REPLICA_GROUP_ADDR="${REPLICA_GROUP_ADDR:-127.0.0.1}"
+  # Where the other groups reach this one (to heal, and to meet): our address on the route toward the
+  # Lighthouse, not what the hostname resolves to (meta-pytorch/torchft#329). A Lighthouse on this machine under
+  # a name that resolves to loopback here (Debian: 127.0.1.1) is reached from elsewhere on our network address.
+  if [[ -z "${REPLICA_GROUP_ADDR:-}" ]]; then
+    TOWARD="$LIGHTHOUSE_IP"
+    if [[ "$LIGHTHOUSE_IP" == 127.* && "$LIGHTHOUSE_HOST" != 127.* && "$LIGHTHOUSE_HOST" != localhost ]]; then
+      command -v ip >/dev/null || fail "the 'ip' command (iproute2) is needed to find this machine's address"
+      TOWARD="$(ip -o -4 addr show scope global | awk 'NR == 1 { split($4, a, "/"); print a[1] }')"
+      [[ -n "$TOWARD" ]] || fail "the Lighthouse's host '$LIGHTHOUSE_HOST' is this machine, whose network address is unclear: set REPLICA_GROUP_ADDR"
+    fi
+    if [[ "$TOWARD" == 127.* ]]; then
+      REPLICA_GROUP_ADDR=127.0.0.1  # every group on this machine
+    else
+      command -v ip >/dev/null || fail "the 'ip' command (iproute2) is needed to find this machine's address toward $LIGHTHOUSE_HOST"
+      REPLICA_GROUP_ADDR="$(ip -o route get "$TOWARD" | awk '{ for (i = 1; i < NF; i++) if ($i == "src") print $(i + 1) }')"
+      [[ -n "$REPLICA_GROUP_ADDR" ]] || REPLICA_GROUP_ADDR="$TOWARD"  # a local route: the address itself
+    fi
+  fi
+  export REPLICA_GROUP_ADDR
   echo "run_node.sh: replica group $REPLICA_GROUP_ID of $REPLICA_GROUPS nproc_per_node=$NPROC_PER_NODE lighthouse=$TORCHFT_LIGHTHOUSE address=$REPLICA_GROUP_ADDR max_restarts=$MAX_RESTARTS" >&2
   unset TORCH_DISABLE_SHARE_RDZV_TCP_STORE
   TORCHRUN=(torchrun --standalone --nnodes=1 --nproc-per-node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS"
@@ -104,10 +121,12 @@ if [[ "${1:-}" == --lighthouse || "$REPLICA_GROUPS" != 0 ]]; then
   if [[ -z "$LIGHTHOUSE_PID" ]]; then
     exec "${TORCHRUN[@]}"
   fi
-  # torchrun beside the Lighthouse, which ends with it; SIGTERM (preemption) is passed on to torchrun.
+  # torchrun beside the Lighthouse, which ends after it (the other groups may still be saving); SIGTERM
+  # (preemption) is passed on to torchrun.
+  TORCHRUN_PID=""
+  trap 'kill -TERM $TORCHRUN_PID 2>/dev/null' TERM INT
   "${TORCHRUN[@]}" &
   TORCHRUN_PID=$!
-  trap 'kill -TERM "$TORCHRUN_PID" 2>/dev/null' TERM INT
   STATUS=0
   wait "$TORCHRUN_PID" || STATUS=$?
   if kill -0 "$TORCHRUN_PID" 2>/dev/null; then  # the wait was cut short by the signal

@@ -114,7 +114,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
 {%- if cookiecutter.fault_tolerance == "torchft" %}
     data_env = env  # the data's view of the ranks
     if groups is not None:  # --replica-groups: this torchrun is one group of several (replica_groups.py)
-        groups.join(device, store, options.watchdog.collective_timeout())
+        groups.join(device, store, options.watchdog.step_timeout, options.watchdog.io_timeout)
         if task.training_step is not None:  # its several updates would each try to commit the step
             raise UsageError("--replica-groups commits one optimizer update per step: a Task with its own "
                              "training_step trains in the default mode only (leave out --replica-groups)")
@@ -155,7 +155,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, options.clip_grad or math.inf)
 {%- if cookiecutter.fault_tolerance == "torchft" %}
         allowed = nonfinite.allows_update(number, grad_norm)  # else skipped on every rank, or a stop
-        if (groups is None or groups.should_commit(number)) and allowed:  # a group lost in this step: dropped
+        if (groups is None or groups.should_commit(number, allowed)) and allowed:  # a group lost in it: dropped
 {%- else %}
         if nonfinite.allows_update(number, grad_norm):  # else skipped on every rank, or a stop
 {%- endif %}

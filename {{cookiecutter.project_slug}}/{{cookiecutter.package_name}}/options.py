@@ -205,9 +205,10 @@ class TrainOptions:
         self.profiling.check(logging_.log_dir)
 {%- endif %}
 {%- if cookiecutter.fault_tolerance == "torchft" %}
-        if self.replica_groups < 0 or (self.replica_groups and self.strategy != "ddp"):
-            raise UsageError(f"--replica-groups must be >= 0 (0: off) and needs --strategy ddp, got "
-                             f"{self.replica_groups} with --strategy {self.strategy}")
+        if self.replica_groups < 0 or (self.replica_groups and (self.strategy != "ddp" or self.compile)):
+            raise UsageError(f"--replica-groups must be >= 0 (0: off) and needs --strategy ddp without --compile, "
+                             f"got {self.replica_groups} with --strategy {self.strategy}"
+                             f"{' --compile' if self.compile else ''}")
 {%- endif %}
         if not re.fullmatch(r"none|full|every-[1-9]\d*", self.activation_checkpointing):
             raise UsageError("--activation-checkpointing must be none, full or every-N (N >= 1), got "

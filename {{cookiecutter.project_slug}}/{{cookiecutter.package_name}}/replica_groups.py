@@ -35,6 +35,7 @@ from .engine.reproducibility import seed_per_rank
 
 log = logging.getLogger(__name__)
 
+MAX_DROPPED = 10
 START_TIMEOUT = 600  # seconds a starting job waits for all its groups, as torchrun's rendezvous does
 HEARTBEAT = timedelta(milliseconds=100)  # the Manager's beat to the Lighthouse (its --heartbeat_timeout_ms: 1000)
 
@@ -58,12 +59,18 @@ class ReplicaGroups:
         # cluster's to Ethernet instead of InfiniBand, meta-pytorch/torchft#329).
         self.address = environ.get("REPLICA_GROUP_ADDR") or address_toward(
             self.lighthouse.split("://")[-1].rsplit(":", 1)[0].strip("[]"))
-        self.healed = False
+        self.healed = False  # by the last quorum
+        self.pending = False  # a quorum taken for the next step already
         self.quorum = None  # the quorum of the last step: a new one checks that every group holds one model
         self.committing = (-1, False)  # (step, whether it commits)
 
-    def join(self, device: torch.device, store: StoreAddress, timeout: timedelta) -> None:
-        """Start this group's Manager, which meets the Lighthouse (its ranks meet in this attempt's store)."""
+    def join(self, device: torch.device, store: StoreAddress, step_timeout: float, io_timeout: float) -> None:
+        """Start this group's Manager, which meets the Lighthouse (its ranks meet in this attempt's store).
+
+        A collective across groups gives up on a lost peer after 3/4 of --step-timeout (NCCL may only notice one
+        then), before the watchdog would end the survivors; a quorum waits as long as a slow phase may take (a
+        group's evaluation or save holds the others at the next quorum)."""
+        timeout = timedelta(seconds=0.75 * step_timeout)
         from torchft.checkpointing.http_transport import HTTPTransport
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
@@ -78,6 +85,9 @@ class ReplicaGroups:
         def advertising(kind: type) -> type:
             class Advertised(kind):
                 def get_reconfigure_handle(self) -> str:
+                    if self._rendezvous_store is None:  # torchft's own connects to gethostname()
+                        self._rendezvous_store = torch.distributed.TCPStore(advertised, 0, is_master=True,
+                                                                            wait_for_workers=False)
                     handle = json.loads(super().get_reconfigure_handle())
                     handle["store"] = f"{advertised}:{handle['store'].rsplit(':', 1)[1]}"
                     return json.dumps(handle)
@@ -89,7 +99,8 @@ class ReplicaGroups:
         across = advertising(ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo)(timeout=timeout)
         self.manager = Manager(
             pg=across, load_state_dict=None, state_dict=None, min_replica_size=1, use_async_quorum=False,
-            timeout=timeout, quorum_timeout=timedelta(seconds=60), connect_timeout=timedelta(seconds=60),
+            timeout=timeout, quorum_timeout=timedelta(seconds=io_timeout), connect_timeout=timedelta(seconds=60),
+            max_retries=MAX_DROPPED,  # steps dropped in a row: then this group fails, restarts and heals
             rank=self.env.rank, world_size=self.env.world_size, store_addr=store.host, store_port=store.port,
             lighthouse_addr=self.lighthouse, replica_id=f"group{self.id}", hostname=self.address,
             init_sync=False,  # step 0: every group built the same model from --seed (and checks it: below)
@@ -153,21 +164,21 @@ class ReplicaGroups:
         self.manager.register_state_dict_fn("training", load_state_dict, state_dict)
 
     def wait_for_the_others(self) -> None:
-        """At a job's start (not a group's restart by its torchrun: that one joins the running groups), quorums
-        until every group is in one, for at most START_TIMEOUT seconds, lest the first group up train alone
-        (and the others heal from it when they come). A group behind the others heals here, before training."""
+        """At a job's start (not a group's restart by its torchrun, which joins the running groups): quorums
+        until another group is in one (every group, of one), for at most START_TIMEOUT seconds, lest the first
+        group up train alone. That quorum is the first step's: the others present may be training already,
+        inside it. A group behind them heals here, before its loader starts."""
         if self.env.restart_count:
             return
         deadline = time.monotonic() + START_TIMEOUT
         self.manager.start_quorum()
-        while self.manager.num_participants() < self.count:
+        while self.manager.num_participants() < min(2, self.count):
             if time.monotonic() > deadline:
-                log.warning("only %d of %d replica groups came within %d s; training without the others, which "
-                            "join when they come", self.manager.num_participants(), self.count, START_TIMEOUT)
+                log.warning("no other replica group came within %d s; training alone until one does", START_TIMEOUT)
                 break
             time.sleep(0.5)
             self.manager.start_quorum()
-        self.healed = False  # the loop starts from what a heal brought
+        self.pending = True
 
     def start_step(self, progress: Any, model: torch.nn.Module, check_every: int) -> bool:
         """This step's quorum, which heals this group if it is behind. True if it healed: the loop then starts
@@ -176,11 +187,14 @@ class ReplicaGroups:
         The groups' models are compared when the quorum changed (a group came or went: every group present sees
         the same new one) and every `check_every` steps: conditions alike on every group, since each comparison is
         a collective across them, as is each step's gradient all-reduce that follows."""
-        if not self.healed:  # else this step's quorum is the one that healed us
+        if self.pending:  # the quorum of the start's wait, or the one that healed us: this step's
+            self.pending = False
+        else:
+            self.healed = False
             self.manager.start_quorum()
             if self.healed:
+                self.pending = True
                 return True
-        self.healed = False
         quorum = self.manager._quorum_id  # torchft has no public name for it (pinned version)
         if quorum != self.quorum or progress.step % check_every == 0:
             if quorum != self.quorum:
@@ -206,13 +220,19 @@ class ReplicaGroups:
                 for buffer, value in zip(buffers, flat.split([buffer.numel() for buffer in buffers]), strict=True):
                     buffer.copy_(value.view_as(buffer))
 
-    def should_commit(self, step: int) -> bool:
+    def should_commit(self, step: int, allowed: bool) -> bool:
         """Whether every rank of this group, and the cross-group all-reduces, finished step `step`: else no
         optimizer steps (the step is dropped here; a group that did commit it is healed from later). Asked once
-        per step, whatever the number of optimizers updated."""
+        per step, whatever the number of optimizers updated. `allowed`: this group's verdict on a non-finite
+        loss; a group that skips the update drops the step, and heals from the others if they took it."""
         if self.committing[0] != step:
+            if not allowed:
+                self.manager.report_error(RuntimeError(f"step {step} skipped: not finite"))
             self.average_buffers(self.model)  # as this step's forward left them
             self.committing = (step, self.manager.should_commit())
+            if not self.committing[1] and allowed:
+                log.warning("step %d dropped: a replica group was lost during it, and its update was not applied "
+                            "here", step)
         return self.committing[1]
 
     def check_replicas_match(self, model: torch.nn.Module, step: int) -> None:
