@@ -115,9 +115,6 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     data_env = env  # the data's view of the ranks
     if groups is not None:  # --replica-groups: this torchrun is one group of several (replica_groups.py)
         groups.join(device, store, options.watchdog.step_timeout, options.watchdog.io_timeout)
-        if task.training_step is not None:  # its several updates would each try to commit the step
-            raise UsageError("--replica-groups commits one optimizer update per step: a Task with its own "
-                             "training_step trains in the default mode only (leave out --replica-groups)")
         data_env = groups.data_env()  # the training set split as if every group were present
         log.info("%s", groups.describe())
 {%- endif %}
@@ -253,7 +250,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
             lr = lr_schedule.set_lr(progress.samples_seen + samples / 2)  # at the step's middle
             batches = OnDevice(step_batches, device, channels_last)
 {%- if cookiecutter.fault_tolerance == "torchft" %}
-            if groups is not None and groups.start_step(progress, model, options.checkpoint.ckpt_every):
+            if groups is not None and groups.start_step(progress, options.checkpoint.ckpt_every):
                 step_batches = []  # healed: another group's progress, and the data position it names
                 break
 {%- endif %}
@@ -325,6 +322,9 @@ def main(argv: list[str] | None = None) -> None:
 {%- if cookiecutter.fault_tolerance == "torchft" %}
         groups = ReplicaGroups(options.replica_groups, env) if options.replica_groups else None
         if groups is not None:
+            if task.training_step is not None:  # its several updates would each try to commit the step
+                raise UsageError("--replica-groups commits one optimizer update per step: a Task with its own "
+                                 "training_step trains in the default mode only (leave out --replica-groups)")
             options.checkpoint.ckpt_dir = groups.checkpoint_dir(options.checkpoint.ckpt_dir)  # one folder each
 {%- endif %}
         check_checkpoint_dir(options.checkpoint.ckpt_dir)

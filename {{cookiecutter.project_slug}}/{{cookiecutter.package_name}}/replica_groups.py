@@ -122,6 +122,7 @@ class ReplicaGroups:
         ddp = networks.model
         if not isinstance(ddp, DistributedDataParallel):
             ddp = networks.model = DistributedDataParallel(ddp, find_unused_parameters=True)
+        self.model = ddp.module  # the model itself: what the checks and the buffer average read
         if not ddp.find_unused_parameters:
             # DDP rebuilds its buckets after the first step unless find_unused_parameters: a group that joins
             # later would average its first step's layout against the others' rebuilt one, one parameter's
@@ -180,7 +181,7 @@ class ReplicaGroups:
             self.manager.start_quorum()
         self.pending = True
 
-    def start_step(self, progress: Any, model: torch.nn.Module, check_every: int) -> bool:
+    def start_step(self, progress: Any, check_every: int) -> bool:
         """This step's quorum, which heals this group if it is behind. True if it healed: the loop then starts
         again from the progress it brought (its data position) and calls again, which joins the same step.
 
@@ -201,17 +202,16 @@ class ReplicaGroups:
                 log.info("step %d: %d of %d replica groups train", progress.step + 1,
                          self.manager.num_participants(), self.count)
             self.quorum = quorum
-            self.check_replicas_match(model, progress.step)
-        self.model = model
+            self.check_replicas_match(progress.step)
         return False
 
-    def average_buffers(self, model: torch.nn.Module) -> None:
+    def average_buffers(self) -> None:
         """The groups' buffers (BatchNorm's running statistics) averaged after every step's forward: gradients
         keep the parameters one model, but each group's buffers follow its own batches, and evaluations and
         checkpoints would differ between groups. (Within a group, DDP gives every rank rank 0's at each forward,
         and a save takes rank 0's.) A failed all-reduce leaves them as they were."""
-        for dtype in dict.fromkeys(buffer.dtype for buffer in model.buffers()):  # in one order on every group
-            buffers = [buffer for buffer in model.buffers() if buffer.dtype == dtype]
+        for dtype in dict.fromkeys(buffer.dtype for buffer in self.model.buffers()):  # one order on every group
+            buffers = [buffer for buffer in self.model.buffers() if buffer.dtype == dtype]
             flat = torch.cat([buffer.detach().flatten() for buffer in buffers])
             op = torch.distributed.ReduceOp.AVG if dtype.is_floating_point else torch.distributed.ReduceOp.MAX
             if not self.manager.allreduce(flat, reduce_op=op).wait():
@@ -228,20 +228,20 @@ class ReplicaGroups:
         if self.committing[0] != step:
             if not allowed:
                 self.manager.report_error(RuntimeError(f"step {step} skipped: not finite"))
-            self.average_buffers(self.model)  # as this step's forward left them
+            self.average_buffers()  # as this step's forward left them
             self.committing = (step, self.manager.should_commit())
             if not self.committing[1] and allowed:
                 log.warning("step %d dropped: a replica group was lost during it, and its update was not applied "
                             "here", step)
         return self.committing[1]
 
-    def check_replicas_match(self, model: torch.nn.Module, step: int) -> None:
+    def check_replicas_match(self, step: int) -> None:
         """Stop unless every group present holds the same parameters, and has as many ranks and groups as this
         one (one small all-reduce, like each group's own check in engine/replicas.py): a heal or a gradient
         averaged over others than its peers' would train several models under one loss curve, and groups of
         other sizes would split the data differently, training some samples twice and others never."""
         shape = torch.tensor([self.env.world_size, self.count])
-        sums = torch.cat([shape, torch.stack([bit_sum(parameter).cpu() for parameter in model.parameters()])])
+        sums = torch.cat([shape, torch.stack([bit_sum(parameter).cpu() for parameter in self.model.parameters()])])
         extremes = torch.cat([sums, -sums]).to(self.device)
         if not self.manager.allreduce(extremes, reduce_op=torch.distributed.ReduceOp.MAX).wait():
             self.quorum = None  # a group was lost: this step is dropped anyway, and checked at the next quorum
