@@ -43,6 +43,18 @@ fail() {
   exit 2
 }
 
+# This machine's network address, where its hostname resolves to loopback here (Debian and Ubuntu map it to
+# 127.0.1.1): the one on GLOO_SOCKET_IFNAME, the default route's interface, or the only interface with a global
+# address; nothing when that is unclear.
+own_network_address() {
+  local interface
+  interface="${GLOO_SOCKET_IFNAME:-$(ip -o route show default | awk 'NR == 1 { for (i = 1; i < NF; i++) if ($i == "dev") print $(i + 1) }')}"
+  if [[ -z "$interface" ]] && (($(ip -o -4 addr show scope global | wc -l) == 1)); then
+    interface="$(ip -o -4 addr show scope global | awk '{ print $2 }')"
+  fi
+  ip -o -4 addr show dev "${interface:-lo}" scope global 2>/dev/null | awk 'NR == 1 { split($4, a, "/"); print a[1] }'
+}
+
 [[ "$NNODES" =~ ^[1-9][0-9]*(:[1-9][0-9]*)?$ ]] || fail "NNODES='$NNODES' must be a number of machines (2) or MIN:MAX (1:4)"
 [[ "$NPROC_PER_NODE" =~ ^(auto|gpu|cpu|[1-9][0-9]*)$ ]] || fail "NPROC_PER_NODE='$NPROC_PER_NODE' must be auto, gpu, cpu or a number"
 [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]] || fail "MAX_RESTARTS='$MAX_RESTARTS' must be a whole number"
@@ -101,8 +113,8 @@ if [[ "${1:-}" == --lighthouse || "$REPLICA_GROUPS" != 0 ]]; then
     TOWARD="$LIGHTHOUSE_IP"
     if [[ "$LIGHTHOUSE_IP" == 127.* && "$LIGHTHOUSE_HOST" != 127.* && "$LIGHTHOUSE_HOST" != localhost ]]; then
       command -v ip >/dev/null || fail "the 'ip' command (iproute2) is needed to find this machine's address"
-      TOWARD="$(ip -o -4 addr show scope global | awk 'NR == 1 { split($4, a, "/"); print a[1] }')"
-      [[ -n "$TOWARD" ]] || fail "the Lighthouse's host '$LIGHTHOUSE_HOST' is this machine, whose network address is unclear: set REPLICA_GROUP_ADDR"
+      TOWARD="$(own_network_address)"
+      [[ -n "$TOWARD" ]] || fail "the Lighthouse's host '$LIGHTHOUSE_HOST' is this machine, whose network address is unclear: set GLOO_SOCKET_IFNAME or REPLICA_GROUP_ADDR"
     fi
     if [[ "$TOWARD" == 127.* ]]; then
       REPLICA_GROUP_ADDR=127.0.0.1  # every group on this machine
@@ -178,15 +190,10 @@ LOCAL_ADDR_ARGS=()
 DETECTED="address detection skipped (loopback endpoint: all nodes on this machine)"
 ROUTE_TARGET="$ENDPOINT_IP"
 if [[ "$ENDPOINT_IP" == 127.* && "$ENDPOINT_HOST" != 127.* && "$ENDPOINT_HOST" != localhost ]]; then
-  # A name that resolves to loopback here is this machine's own (Debian and Ubuntu map their hostname to
-  # 127.0.1.1): this machine is the endpoint, and the others reach it on its network address, which is on
-  # GLOO_SOCKET_IFNAME, the default route's interface, or the only interface with a global address.
+  # A name that resolves to loopback here is this machine's own: this machine is the endpoint, and the others
+  # reach it on its network address.
   command -v ip >/dev/null || fail "the 'ip' command (iproute2) is needed to find this machine's network address"
-  OWN_INTERFACE="${GLOO_SOCKET_IFNAME:-$(ip -o route show default | awk 'NR == 1 { for (i = 1; i < NF; i++) if ($i == "dev") print $(i + 1) }')}"
-  if [[ -z "$OWN_INTERFACE" ]] && (($(ip -o -4 addr show scope global | wc -l) == 1)); then
-    OWN_INTERFACE="$(ip -o -4 addr show scope global | awk '{ print $2 }')"
-  fi
-  OWN_ADDR="$(ip -o -4 addr show dev "${OWN_INTERFACE:-lo}" scope global 2>/dev/null | awk 'NR == 1 { split($4, a, "/"); print a[1] }')"
+  OWN_ADDR="$(own_network_address)"
   if [[ -n "$OWN_ADDR" ]]; then
     ROUTE_TARGET="$OWN_ADDR"
   elif [[ "$MAX_NODES" != 1 ]]; then
