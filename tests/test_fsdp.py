@@ -68,6 +68,8 @@ def test_sharded_checkpoints_are_complete_step_folders(fsdp_project, uninterrupt
     for folder in uninterrupted.glob("step-*"):
         assert (folder / ".metadata").is_file()
         assert sorted(path.name for path in folder.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+        checksums = json.loads((folder / "checksums.json").read_text())  # every other file's, rank 1's included
+        assert sorted(checksums) == [".metadata", "__0_0.distcp", "__1_0.distcp", "options.json"], checksums
     # Issue 11: each rank's CUDA generator, by rank (empty on CPU); the kill -9 and 2 -> 1 resumes restore it.
     assert sharded_state(uninterrupted / "step-12", tmp_path)["cuda_rng_states"].shape == (2, 0)
 
@@ -200,17 +202,25 @@ def test_two_ranks_to_one_reshards_and_continues_the_same_run(fsdp_project, unin
         assert actual[name].shape == tensor.shape and torch.allclose(actual[name], tensor, atol=1e-5), name
 
 
-def test_torn_newest_folder_and_partial_save_fall_back_to_the_previous(fsdp_project, uninterrupted, tmp_path):
+def test_changed_and_torn_newest_folders_and_partial_save_fall_back_to_the_previous(fsdp_project, uninterrupted,
+                                                                                     tmp_path):
     ckpt_dir = tmp_path / "torn"
     ckpt_dir.mkdir()
-    for name in ("step-4", "step-8"):
+    for name in ("step-4", "step-8", "step-12"):
         shutil.copytree(uninterrupted / name, ckpt_dir / name)
+    shard = ckpt_dir / "step-12" / "__0_0.distcp"
+    flipped = bytearray(shard.read_bytes())
+    flipped[len(flipped) // 2] ^= 0x04  # one bit of a tensor (bit rot): DCP loads it without a word
+    shard.write_bytes(bytes(flipped))
     shard = ckpt_dir / "step-8" / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a copy cut short
-    (ckpt_dir / ".step-12.partial").mkdir()  # a save killed before it was published
+    (ckpt_dir / ".step-16.partial").mkdir()  # a save killed before it was published
     result = launch(fsdp_project, 2, max_steps=8, ckpt_dir=ckpt_dir)
+    assert (f"skipping unreadable checkpoint {ckpt_dir / 'step-12'} (its bytes changed after it was written: the "
+            "CRC-32 of __0_0.distcp is not the one recorded at the save") in result.stderr, result.stderr[-3000:]
+    assert (ckpt_dir / "step-12.unreadable").is_dir() and not (ckpt_dir / "step-12").exists()
     assert "skipping incomplete checkpoint" in result.stderr and "__1_0.distcp" in result.stderr
-    assert "removed" in result.stderr and not (ckpt_dir / ".step-12.partial").exists()
+    assert "removed" in result.stderr and not (ckpt_dir / ".step-16.partial").exists()
     assert "resuming from " + str(ckpt_dir / "step-4") in result.stderr
     expected = tensors(sharded_state(uninterrupted / "step-8", tmp_path))
     actual = tensors(sharded_state(ckpt_dir / "step-8", tmp_path))

@@ -5,9 +5,11 @@ from __future__ import annotations
 import hashlib
 import mmap
 import re
+import struct
 import sys
 import threading
 import time
+import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -189,6 +191,7 @@ def test_a_sigterm_before_the_first_timed_step_leaves_that_step_time_to_end(defa
 
 SLOW_FIRST_STEP_AFTER_THE_EVALUATION_CHECK = """
 import time
+import zipfile
 from ddp_training.engine.distributed import DistEnv
 from ddp_training.engine.watchdog import Watchdog
 watchdog = Watchdog(DistEnv(), None, step_timeout=1, io_timeout=60)
@@ -330,8 +333,8 @@ def test_an_error_in_the_projects_own_files_or_at_start_up_and_no_machine_fault_
     assert re.fullmatch(rf"\w+\.py:\d+ \(from task\.py:{line}\)", raised) and not raised.startswith("task.py"), raised
 
 
-def test_only_a_torn_checkpoint_is_set_aside_and_any_other_that_fails_stops_the_job(baked_module, tmp_path,
-                                                                                     monkeypatch):
+def test_only_a_damaged_checkpoint_is_set_aside_and_any_other_that_fails_stops_the_job(baked_module, tmp_path,
+                                                                                       monkeypatch, caplog):
     import torch
 
     replicated = baked_module("engine.checkpoint.replicated")
@@ -340,10 +343,26 @@ def test_only_a_torn_checkpoint_is_set_aside_and_any_other_that_fails_stops_the_
     whole = (tmp_path / "step-3.pt").read_bytes()
     (tmp_path / "step-5.pt").write_bytes(whole[: len(whole) // 2])  # a write cut short
     (tmp_path / "step-4.pt").write_bytes(whole[:100] + b"x" * 64 + whole[164:])  # same length, bytes changed
+    # One bit flipped in a tensor's bytes (bit rot): the file loads, the generator state would differ silently.
+    with zipfile.ZipFile(tmp_path / "step-3.pt") as archive:
+        member = next(info for info in archive.infolist() if info.filename.endswith("/data/0"))
+    with open(tmp_path / "step-3.pt", "rb") as file:  # the member's bytes follow its local header
+        file.seek(member.header_offset + 26)
+        name_length, extra_length = struct.unpack("<HH", file.read(4))
+    flipped = bytearray(whole)
+    flipped[member.header_offset + 30 + name_length + extra_length + 7] ^= 0x10
+    (tmp_path / "step-6.pt").write_bytes(bytes(flipped))
+    assert torch.equal(torch.load(tmp_path / "step-6.pt", weights_only=True)["torch_rng_state"][8:],
+                       state["torch_rng_state"][8:])  # torch.load itself checks nothing
     found, problem = replicated.load_newest_valid(tmp_path)
     assert problem is None and found[0] == tmp_path / "step-3.pt" and found[1]["samples_in_epoch"] == 48
     assert sorted(path.name for path in tmp_path.iterdir()) == ["step-3.pt", "step-4.pt.unreadable",
-                                                                "step-5.pt.unreadable"]
+                                                                "step-5.pt.unreadable", "step-6.pt.unreadable"]
+    warnings = [record.getMessage() for record in caplog.records if "skipping unreadable" in record.getMessage()]
+    assert warnings[0] == (f"skipping unreadable checkpoint {tmp_path / 'step-6.pt'} (its bytes changed after it "
+                           f"was written: {member.filename} fails its CRC-32 check (bit rot on the storage, or a "
+                           "bad copy)); kept as step-6.pt.unreadable"), warnings
+    assert warnings[1].startswith(f"skipping unreadable checkpoint {tmp_path / 'step-5.pt'} (cut short: "), warnings
     # Whole files that fail: kept where they are, and the job stops with one line.
     monkeypatch.setattr(torch, "load", lambda *args, **kwargs: (_ for _ in ()).throw(MemoryError()))
     found, problem = replicated.load_newest_valid(tmp_path)
@@ -351,11 +370,11 @@ def test_only_a_torn_checkpoint_is_set_aside_and_any_other_that_fails_stops_the_
         f"{tmp_path / 'step-3.pt'} is a whole file that this run cannot load (MemoryError: MemoryError); resume "
         f"with the code and torch that wrote it, or move it out of {tmp_path}")
     monkeypatch.undo()
-    torch.save({"model": {}}, tmp_path / "step-6.pt")  # someone's model file, under a checkpoint's name
+    torch.save({"model": {}}, tmp_path / "step-7.pt")  # someone's model file, under a checkpoint's name
     found, problem = replicated.load_newest_valid(tmp_path)
-    assert found is None and problem.startswith(f"{tmp_path / 'step-6.pt'} is no training checkpoint of step 6 "
+    assert found is None and problem.startswith(f"{tmp_path / 'step-7.pt'} is no training checkpoint of step 7 "
                                                 "(lacks epoch, samples_in_epoch, step, torch_rng_state)")
-    assert (tmp_path / "step-6.pt").exists() and (tmp_path / "step-3.pt").exists()
+    assert (tmp_path / "step-7.pt").exists() and (tmp_path / "step-3.pt").exists()
 
 
 def test_a_sharded_step_moved_aside_by_an_interrupted_publish_is_put_back(baked_module, tmp_path):

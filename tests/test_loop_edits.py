@@ -63,6 +63,8 @@ def test_loop_edits_resume_bitwise_after_kill_9_under_fsdp2(edited_project, tmp_
     output = kill_a_worker_and_finish(killed, tmp_path / "killed" / "step-8")
     assert "(a copy in memory: writing it in the background)" in output, output[-4000:]
     assert not list((tmp_path / "killed").glob(".step-*")), "nothing partial left behind"
+    # Each folder's checksums, gathered in the background write's thread, are those of the bytes on disk.
+    assert "skipping" not in output and (tmp_path / "killed" / "step-24" / "checksums.json").is_file(), output
 
     expected, resumed = (checkpoint_state(tmp_path / name, 24, tmp_path) for name in ("uninterrupted", "killed"))
     for state in (expected, resumed):  # the one entry that must differ: where each run kept its checkpoints

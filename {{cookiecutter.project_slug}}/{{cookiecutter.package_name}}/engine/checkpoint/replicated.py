@@ -70,30 +70,30 @@ NOT_COMPONENTS = FORMAT_KEYS | RESERVED_NAMES
 
 
 def load_newest_valid(ckpt_dir: Path) -> tuple[tuple[Path, dict] | None, str | None]:
-    """(the newest checkpoint that loads, why the job must stop instead). A torn one (a write cut short, bytes
-    that are no complete archive) is renamed to <name>.unreadable, out of the way of resuming and retention but
-    kept, with a warning naming it, and the one before it is tried. Any other failure stops the job: one that
-    cannot be read now (an I/O error, not enough memory), or a whole file that this code or this torch refuses
-    (weights_only, a newer format, another step inside). It is not torn, and falling back would throw its steps
-    away."""
+    """(the newest checkpoint that loads, why the job must stop instead). A damaged one (a write cut short, or
+    bytes changed since torch.save wrote them: a member failing the CRC-32 the zip records) is renamed to
+    <name>.unreadable, out of the way of resuming and retention but kept, with a warning naming it, and the one
+    before it is tried. torch.load checks no CRC, so every member is read and checked first: a flipped bit in a
+    tensor would otherwise be resumed from silently. Any other failure stops the job: one that cannot be read
+    now (an I/O error, not enough memory), or a whole file that this code or this torch refuses (weights_only, a
+    newer format, another step inside). It is not damaged, and falling back would throw its steps away."""
     for step, path in list_checkpoints(ckpt_dir):
         try:
+            if damage := damaged(path):
+                kept = path.with_name(f"{path.name}.unreadable")
+                os.replace(path, kept)
+                log.warning("skipping unreadable checkpoint %s (%s); kept as %s", path, damage, kept.name)
+                continue
             state = load_mapped(path)
         except OSError as error:
             return None, f"{path} cannot be read ({error.strerror or error}); fix the storage and run again"
-        except Exception as error:  # noqa: BLE001 - torn, or whole and refused
-            if not is_torn(path):
-                if isinstance(error, pickle.UnpicklingError) and (unsafe := unsafe_globals(path)):
-                    return None, (f"{path} holds {', '.join(sorted(unsafe))}, which torch.load(weights_only=True) "
-                                  "refuses; resume with the code that wrote it, or load and re-save it without them")
-                return None, (f"{path} is a whole file that this run cannot load ({type(error).__name__}: "
-                              f"{first_line(error)}); resume with the code and torch that wrote it, or move it "
-                              f"out of {ckpt_dir}")
-            kept = path.with_name(f"{path.name}.unreadable")
-            os.replace(path, kept)
-            log.warning("skipping unreadable checkpoint %s (%s: %s); kept as %s", path, type(error).__name__,
-                        first_line(error), kept.name)
-            continue
+        except Exception as error:  # noqa: BLE001 - whole, and refused
+            if isinstance(error, pickle.UnpicklingError) and (unsafe := unsafe_globals(path)):
+                return None, (f"{path} holds {', '.join(sorted(unsafe))}, which torch.load(weights_only=True) "
+                              "refuses; resume with the code that wrote it, or load and re-save it without them")
+            return None, (f"{path} is a whole file that this run cannot load ({type(error).__name__}: "
+                          f"{first_line(error)}); resume with the code and torch that wrote it, or move it "
+                          f"out of {ckpt_dir}")
         missing = FORMAT_KEYS - set(state) if isinstance(state, dict) else FORMAT_KEYS
         if missing or state["step"] != step:
             held = f"lacks {', '.join(sorted(missing))}" if missing else f"holds step {state['step']}"
@@ -125,16 +125,20 @@ def load_if_readable(path: Path) -> dict | None:
         return None
 
 
-def is_torn(path: Path) -> bool:
-    """Whether `path` is provably not what torch.save wrote whole: no complete zip archive (a write cut short
-    loses the archive's directory at its end), or a member whose bytes fail their checksum."""
+def damaged(path: Path) -> str | None:
+    """How `path` provably differs from what torch.save wrote whole, or None: no complete zip archive (a write
+    cut short loses the archive's directory at its end), or a member whose bytes fail the CRC-32 recorded when it
+    was written (bit rot, a bad copy between clusters). Reads the whole file; an OSError is raised as it is
+    (unreadable now proves nothing)."""
     try:
         with zipfile.ZipFile(path) as archive:
-            return archive.testzip() is not None
-    except (zipfile.BadZipFile, EOFError, ValueError):
-        return True
-    except OSError:  # unreadable now: not proof of anything
-        return False
+            failed = archive.testzip()
+    except (zipfile.BadZipFile, EOFError, ValueError) as error:
+        return f"cut short: no complete archive ({first_line(error)})"
+    if failed is not None:
+        return (f"its bytes changed after it was written: {failed} fails its CRC-32 check (bit rot on the storage, "
+                "or a bad copy)")
+    return None
 
 
 def unsafe_globals(path: Path) -> list[str]:

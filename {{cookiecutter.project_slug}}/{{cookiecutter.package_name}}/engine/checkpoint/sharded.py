@@ -11,9 +11,11 @@ import inspect
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import uuid
+import zlib
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..collectives import barrier, broadcast_object, first_node_on_its_storage
+from ..collectives import all_gather_objects, barrier, broadcast_object, first_node_on_its_storage
 from ..distributed import new_lazy_gloo_group, session_timeout
 from ..errors import UsageError
 from ..optimizers import member_optimizers
@@ -39,6 +41,40 @@ log = logging.getLogger(__name__)
 # start (and restart) half a second where nothing is sharded.
 
 OPTIONS_FILE = "options.json"  # the TrainOptions the run had, beside DCP's files
+# The CRC-32 of every other file in the folder, written once DCP has written them all and checked before a
+# resume: DCP records no checksum, and a flipped bit in a shard (bit rot, a bad copy) would load silently.
+CHECKSUMS_FILE = "checksums.json"
+RANK_FILE = re.compile(r"__(\d+)_")  # DCP's shard files: __<rank>_<n>.distcp, each written by that rank
+
+
+def file_crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 20):  # within a core's cache: 16 MiB chunks were half as fast
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def own_checksums(folder: Path, rank: int) -> dict[str, int]:
+    """The CRC-32 of the files `rank` wrote into `folder` (its shards; rank 0 also DCP's .metadata), read back
+    by the rank that wrote them, while they are in its page cache: the cost of a save is spread over the ranks."""
+    def own(name: str) -> bool:
+        match = RANK_FILE.match(name)
+        return int(match[1]) == rank if match else rank == 0
+    return {path.name: file_crc32(path) for path in sorted(folder.iterdir()) if path.is_file() and own(path.name)}
+
+
+def changed_files(folder: Path, rank: int, world_size: int) -> list[str]:
+    """This rank's share of the files of `folder` whose bytes are not those its checksums recorded (a
+    collective's part: each rank checks every world_size-th file). [] for a folder saved before checksums were."""
+    try:
+        recorded = json.loads((folder / CHECKSUMS_FILE).read_text())
+    except FileNotFoundError:
+        return []
+    except ValueError:
+        return [CHECKSUMS_FILE] if rank == 0 else []
+    return [name for name in sorted(recorded)[rank::world_size]
+            if not (folder / name).is_file() or file_crc32(folder / name) != recorded[name]]
 
 
 def saved_options(folder: Path) -> dict | None:
@@ -137,8 +173,9 @@ class ShardedCheckpointer(Checkpointer):
         state = self._state(progress, self.env.world_size)
         if self._save_group is None:  # all shards and .metadata, written now
             dcp.save(state, checkpoint_id=partial, planner=self._planner)
+            checksums = all_gather_objects(own_checksums(partial, self.env.rank))
             if self.env.is_main_process:
-                self.publish_and_prune(partial, final, self.kept_steps())
+                self.publish_and_prune(partial, final, self.kept_steps(), checksums)
             barrier(self.device)
         else:  # copied to host memory before async_save returns; DCP's thread writes, and exchanges with the
             # other ranks on a gloo group of its own (not the side group, which the loop uses meanwhile)
@@ -150,14 +187,23 @@ class ShardedCheckpointer(Checkpointer):
         return final if self.env.is_main_process else None
 
     def publish_when_written(self, saving, partial: Path, final: Path, kept: set[int]) -> None:
-        saving.result()  # every rank's shards and, on rank 0, .metadata: the save is whole
+        saving.result()  # this rank's shards and, on rank 0, .metadata: once rank 0 has it, the save is whole
+        # On the save's own group, which DCP's thread no longer uses: the next save waits for this thread.
+        own = own_checksums(partial, self.env.rank)
+        checksums = [None] * self.env.world_size if self.env.is_main_process else None
+        dist.gather_object(own, checksums, dst=0, group=self._save_group)
         if self.env.is_main_process:
-            self.publish_and_prune(partial, final, kept)
+            self.publish_and_prune(partial, final, kept, checksums)
 
-    def publish_and_prune(self, partial: Path, final: Path, kept: set[int]) -> None:
-        """Rank 0: the options beside the shards, the folder in place, older ones deleted (never the one just
-        written, whatever older ones claim, nor those of the `kept` steps: the best)."""
+    def publish_and_prune(self, partial: Path, final: Path, kept: set[int], checksums: list[dict]) -> None:
+        """Rank 0: the options and every file's checksum (`checksums`: each rank's of its own files) beside the
+        shards, the folder in place, older ones deleted (never the one just written, whatever older ones claim,
+        nor those of the `kept` steps: the best)."""
         write_json(partial / OPTIONS_FILE, self.recorded.values, durable=True)
+        recorded = {name: crc for own in checksums for name, crc in own.items()}
+        recorded |= {path.name: file_crc32(path) for path in partial.iterdir()  # a file no rank claimed
+                     if path.is_file() and path.name not in recorded}
+        write_json(partial / CHECKSUMS_FILE, recorded, durable=True)
         publish(partial, final)
         self.delete_in_background([old for step, old in list_sharded_checkpoints(self.ckpt_dir)[self.keep:]
                                    if old != final and step not in kept])
@@ -187,17 +233,33 @@ class ShardedCheckpointer(Checkpointer):
         self._deleting.start()
 
     def find_newest(self) -> tuple[Path, dict | None] | None:
-        newest = None
-        if self.env.is_main_process:  # the newest complete folder: only its shards are checked
-            for _, folder in list_sharded_checkpoints(self.ckpt_dir):
+        """The newest folder that is complete (rank 0 reads DCP's index) and whose every byte is what was written
+        (every rank checks its share of the files' checksums). A collective."""
+        folders = iter(list_sharded_checkpoints(self.ckpt_dir) if self.env.is_main_process else [])
+        while True:
+            newest = None
+            for _, folder in folders:  # rank 0: the next complete folder
                 if not (problem := missing_pieces(folder)):
                     newest = folder
                     break
                 log.warning("skipping incomplete checkpoint %s (%s)", folder, problem)
-        newest = broadcast_object(newest)
-        if newest is None:
-            return None
-        return newest, saved_options(newest)
+            newest = broadcast_object(newest)
+            if newest is None:
+                return None
+            changed = sorted(name for names in all_gather_objects(
+                changed_files(newest, self.env.rank, self.env.world_size)) for name in names)
+            if not changed:
+                return newest, saved_options(newest)
+            if self.env.is_main_process:  # out of the way of resuming and retention, but kept
+                kept = newest.with_name(f"{newest.name}.unreadable")
+                if kept.exists():
+                    kept = kept.with_name(f"{kept.name}-{uuid.uuid4().hex[:8]}")
+                os.replace(newest, kept)
+                log.warning("skipping unreadable checkpoint %s (its bytes changed after it was written: the CRC-32 "
+                            "of %s is not the one recorded at the save (bit rot on the storage, or a bad copy)); "
+                            "kept as %s", newest,
+                            ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else ""),
+                            kept.name)
 
     def saved_metadata(self, source: Path) -> dict:
         """DCP's index of `source` (path in the state dict -> what is stored), read once per resume."""
