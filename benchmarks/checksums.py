@@ -20,15 +20,16 @@ import argparse
 import importlib
 import sys
 import time
-from pathlib import Path
 
 import torch
 from common import bake_default_project, scratch_dir, spread
 
 
-def timed(action) -> float:
+def timed(*actions) -> float:
+    """Seconds that `actions` (each a function and its arguments) take, one after another."""
     started = time.perf_counter()
-    action()
+    for function, *arguments in actions:
+        function(*arguments)
     return time.perf_counter() - started
 
 
@@ -50,25 +51,23 @@ def main() -> None:
     scratch = scratch_dir()
     figures: dict[str, list[float]] = {}
     for trial in range(args.trials):
-        path = scratch / f"step-{trial}.pt"
+        path, folder = scratch / f"step-{trial}.pt", scratch / f"step-{trial}"
         torch.serialization.set_crc32_options(False)
-        figures.setdefault("ddp save without CRC-32 (s)", []).append(timed(lambda: torch.save(state, path)))
+        figures.setdefault("ddp save without CRC-32 (s)", []).append(timed((torch.save, state, path)))
         path.unlink()
         torch.serialization.set_crc32_options(True)
-        figures.setdefault("ddp save with CRC-32, the default (s)", []).append(timed(lambda: torch.save(state, path)))
-        figures.setdefault("ddp resume: load_mapped alone (s)", []).append(
-            timed(lambda: replicated.load_mapped(path)))
+        figures.setdefault("ddp save with CRC-32, the default (s)", []).append(timed((torch.save, state, path)))
+        figures.setdefault("ddp resume: load_mapped alone (s)", []).append(timed((replicated.load_mapped, path)))
         figures.setdefault("ddp resume: damaged() + load_mapped (s)", []).append(
-            timed(lambda: (replicated.damaged(path), replicated.load_mapped(path))))
+            timed((replicated.damaged, path), (replicated.load_mapped, path)))
         path.unlink()
 
-        folder = scratch / f"step-{trial}"
         figures.setdefault("fsdp2 save: dcp.save (s)", []).append(
-            timed(lambda: dcp.save(state, checkpoint_id=folder)))
+            timed((lambda into: dcp.save(state, checkpoint_id=into), folder)))
         figures.setdefault("fsdp2 save: own_checksums + checksums.json (s)", []).append(timed(
-            lambda: sharded.write_json(folder / sharded.CHECKSUMS_FILE, sharded.own_checksums(folder, 0), True)))
-        figures.setdefault("fsdp2 resume: changed_files (s)", []).append(
-            timed(lambda: sharded.changed_files(folder, 0, 1)))
+            (lambda into: sharded.write_json(into / sharded.CHECKSUMS_FILE, sharded.own_checksums(into, 0), True),
+             folder)))
+        figures.setdefault("fsdp2 resume: changed_files (s)", []).append(timed((sharded.changed_files, folder, 0, 1)))
         assert sharded.changed_files(folder, 0, 1) == []
         for file in folder.iterdir():
             file.unlink()

@@ -19,6 +19,7 @@ from helpers import (
     assert_bitwise_equal,
     bare_torchrun,
     checkpoint,
+    flip_a_bit,
     free_port,
     make_image_folder,
     metric_rows,
@@ -64,8 +65,12 @@ def test_sigterm_to_the_job_saves_at_one_agreed_step_and_resumes_bitwise(default
     newest.write_bytes(saved[: len(saved) // 2])
     leftover = tmp_path / f".step-{stopped_step + 8}.pt.x1y2.tmp"
     leftover.write_bytes(b"interrupted write")
+    rotten = tmp_path / f"step-{stopped_step + 12}.pt"  # whole, and loads: one bit changed on the storage
+    member = flip_a_bit(tmp_path / f"step-{stopped_step}.pt", rotten, member_suffix="/data/0")
     resumed = run_job(default_project, tiny_run(ckpt_dir=tmp_path), via="run_node.sh")
     assert resumed.returncode == 0, resumed.stderr
+    assert (f"skipping unreadable checkpoint {rotten} (its bytes changed after it was written: {member} fails its "
+            "CRC-32 check") in resumed.stderr, resumed.stderr[-4000:]
     assert f"skipping unreadable checkpoint {newest}" in resumed.stderr, resumed.stderr[-4000:]
     assert f"resuming from {tmp_path / f'step-{stopped_step}.pt'}" in resumed.stderr
     assert f"removed {leftover}, left by a save that was interrupted" in resumed.stderr and not leftover.exists()

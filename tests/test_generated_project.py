@@ -5,11 +5,9 @@ from __future__ import annotations
 import hashlib
 import mmap
 import re
-import struct
 import sys
 import threading
 import time
-import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,6 +16,7 @@ from helpers import (
     BIN,
     assert_project_tests_pass,
     flags,
+    flip_a_bit,
     main_in_this_process,
     make_image_folder,
     run,
@@ -191,7 +190,6 @@ def test_a_sigterm_before_the_first_timed_step_leaves_that_step_time_to_end(defa
 
 SLOW_FIRST_STEP_AFTER_THE_EVALUATION_CHECK = """
 import time
-import zipfile
 from ddp_training.engine.distributed import DistEnv
 from ddp_training.engine.watchdog import Watchdog
 watchdog = Watchdog(DistEnv(), None, step_timeout=1, io_timeout=60)
@@ -344,14 +342,7 @@ def test_only_a_damaged_checkpoint_is_set_aside_and_any_other_that_fails_stops_t
     (tmp_path / "step-5.pt").write_bytes(whole[: len(whole) // 2])  # a write cut short
     (tmp_path / "step-4.pt").write_bytes(whole[:100] + b"x" * 64 + whole[164:])  # same length, bytes changed
     # One bit flipped in a tensor's bytes (bit rot): the file loads, the generator state would differ silently.
-    with zipfile.ZipFile(tmp_path / "step-3.pt") as archive:
-        member = next(info for info in archive.infolist() if info.filename.endswith("/data/0"))
-    with open(tmp_path / "step-3.pt", "rb") as file:  # the member's bytes follow its local header
-        file.seek(member.header_offset + 26)
-        name_length, extra_length = struct.unpack("<HH", file.read(4))
-    flipped = bytearray(whole)
-    flipped[member.header_offset + 30 + name_length + extra_length + 7] ^= 0x10
-    (tmp_path / "step-6.pt").write_bytes(bytes(flipped))
+    member = flip_a_bit(tmp_path / "step-3.pt", tmp_path / "step-6.pt")
     assert torch.equal(torch.load(tmp_path / "step-6.pt", weights_only=True)["torch_rng_state"][8:],
                        state["torch_rng_state"][8:])  # torch.load itself checks nothing
     found, problem = replicated.load_newest_valid(tmp_path)
@@ -360,7 +351,7 @@ def test_only_a_damaged_checkpoint_is_set_aside_and_any_other_that_fails_stops_t
                                                                 "step-5.pt.unreadable", "step-6.pt.unreadable"]
     warnings = [record.getMessage() for record in caplog.records if "skipping unreadable" in record.getMessage()]
     assert warnings[0] == (f"skipping unreadable checkpoint {tmp_path / 'step-6.pt'} (its bytes changed after it "
-                           f"was written: {member.filename} fails its CRC-32 check (bit rot on the storage, or a "
+                           f"was written: {member} fails its CRC-32 check (bit rot on the storage, or a "
                            "bad copy)); kept as step-6.pt.unreadable"), warnings
     assert warnings[1].startswith(f"skipping unreadable checkpoint {tmp_path / 'step-5.pt'} (cut short: "), warnings
     # Whole files that fail: kept where they are, and the job stops with one line.

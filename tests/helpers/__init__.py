@@ -1,7 +1,7 @@
 """What the tests share besides fixtures (conftest.py), by concern; `from helpers import X` for any of them."""
 
 from .baking import bake_command, bake_with_cli, build_wheel, import_hook
-from .checkpoints import assert_bitwise_equal, assert_same, checkpoint, checkpoint_state, metric_rows
+from .checkpoints import assert_bitwise_equal, assert_same, checkpoint, checkpoint_state, flip_a_bit, metric_rows
 from .environment import BIN, REQUIRE_ALL, TEMPLATE_ROOT, free_port, require, run, tool_env
 from .faults import kill_a_worker_and_finish, paused, stopped, worker_pids
 from .jobs import (
@@ -65,6 +65,7 @@ __all__ = [
     "main_in_this_process",
     "checkpoint",
     "metric_rows",
+    "flip_a_bit",
     "assert_bitwise_equal",
     "assert_same",
     "checkpoint_state",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import struct
+import zipfile
 from pathlib import Path
 
 
@@ -10,6 +12,18 @@ def checkpoint(ckpt_dir: Path, step: int) -> dict:
     import torch
 
     return torch.load(ckpt_dir / f"step-{step}.pt", weights_only=True)
+
+
+def flip_a_bit(saved: Path, copy: Path, member_suffix: str = "/data/0") -> str:
+    """Write `saved` to `copy` with one bit flipped inside a tensor's bytes (bit rot), where torch.load would load
+    it without a word; returns the zip member it changed."""
+    with zipfile.ZipFile(saved) as archive:
+        member = next(info for info in archive.infolist() if info.filename.endswith(member_suffix))
+    data = bytearray(saved.read_bytes())
+    name_length, extra_length = struct.unpack("<HH", data[member.header_offset + 26: member.header_offset + 30])
+    data[member.header_offset + 30 + name_length + extra_length + 7] ^= 0x10  # past the local header
+    copy.write_bytes(bytes(data))
+    return member.filename
 
 
 def metric_rows(log_dir: Path) -> list[dict]:
