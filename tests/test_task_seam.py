@@ -303,6 +303,51 @@ def test_evaluation_sums_any_shape_and_a_collective_in_it_does_not_hang(default_
     assert metrics["confusion_accuracy"] == metrics["accuracy"], line
 
 
+# A model with a method besides forward, and a loss that calls it (HOW=method) or the plain model (HOW=plain).
+BYPASSING_FORWARD = '''
+
+import dataclasses
+import os
+
+
+class WithMethods(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, images):
+        return self.inner(images)
+
+    def classify(self, images):
+        return self.inner(images)
+
+
+def bypassing_loss(model, batch, step):
+    images, labels = batch
+    logits = model.classify(images) if os.environ["HOW"] == "method" else step.model(images)
+    return nn.functional.cross_entropy(logits, labels)
+
+
+TASK = dataclasses.replace(TASK, compute_loss=bypassing_loss,
+                           models={"small_cnn": lambda options, train_set: WithMethods(small_cnn(options, train_set))})
+'''
+
+
+@pytest.mark.slow
+def test_a_loss_that_bypasses_forward_is_refused_alike_by_one_process_and_by_torchrun(default_project, tmp_path):
+    project = with_task_code(default_project, tmp_path, BYPASSING_FORWARD)
+    expected = ("error: the loss gave the model compute_loss was given gradients without calling it: it ran the plain "
+                "model (step.model) or a method other than forward (such as model.decode(...)), and DDP and FSDP2 "
+                "sync gradients only through forward, so under torchrun the ranks would train different models; call "
+                "the model itself (model(batch)) and do that work in its forward")
+    for how, via, nproc in [("method", "python", 1), ("method", "torchrun", 2), ("plain", "torchrun", 2)]:
+        result = run_job(project, tiny_run(num_workers=0, max_steps=4, ckpt_dir=tmp_path / how / via), via=via,
+                         nproc=nproc, HOW=how)
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+        assert result.returncode == 1 and errors == [expected], (how, via, result.stderr[-3000:])
+        assert "| loss " not in result.stderr and not list((tmp_path / how / via).glob("step-*")), "no step trained"
+
+
 def trains_learns_and_resumes_bitwise_after_kill_9(project: Path, tmp_path: Path, *args: str) -> list[dict]:
     """The project's own tiny run (task.py's TASK.smoke_test_args, plus `args`) on 2 ranks to the end, and again with
     a worker killed (kill -9) after the first checkpoint: torchrun restarts the group, and the last checkpoints
@@ -706,6 +751,38 @@ def test_what_an_evaluation_draws_leaves_the_training_runs_generators_as_they_we
     results = evaluation.evaluate(model, loader, cpu, optim.MixedPrecision("fp32", cpu), noisy, max_batches=1)
     assert results["samples"] == 16 and len(drawn) == 1
     assert torch.equal(torch.get_rng_state(), before), "the evaluation's draws changed the training's generator"
+
+
+def test_a_count_the_evaluation_reads_missing_from_the_tasks_dicts_is_one_line_not_a_nan(baked_module):
+    # Without the throughput unit's count every evaluation was "eval loss nan on 0 held-out samples", silently.
+    import dataclasses
+
+    import torch
+    from torch.utils.data import DataLoader
+
+    evaluation, optim, task = baked_module("evaluation"), baked_module("optim"), baked_module("task")
+    usage_error = baked_module("engine.errors").UsageError
+
+    def sums_without_count(model, batch):
+        return {name: value for name, value in task.TASK.evaluation_sums(model, batch).items() if name != "samples"}
+
+    def summary_without_count(sums, outputs):
+        return {name: value for name, value in task.TASK.summarize(sums, outputs).items() if name != "samples"}
+    model = task.small_cnn(SimpleNamespace(task=SimpleNamespace(num_classes=10)), None)
+    loader = DataLoader(task.LearnableFakeData(32, 16, 10, seed=0), batch_size=16)
+    cpu = torch.device("cpu")
+    for change, expected in [
+            (dict(evaluation_sums=sums_without_count),
+             "task.evaluation_sums returned no 'samples' (it returned correct, loss): the count of held-out samples "
+             "in the batch, which the evaluation divides its sums by and logs; add it to the dict evaluation_sums "
+             "returns in task.py"),
+            (dict(summarize=summary_without_count),
+             "task.summarize returned no 'samples' (it returned accuracy, loss): the count of held-out samples, "
+             "logged beside the metrics; add 'samples': sums['samples'] to the dict summarize returns in task.py")]:
+        with pytest.raises(usage_error) as refused:
+            evaluation.evaluate(model, loader, cpu, optim.MixedPrecision("fp32", cpu),
+                                dataclasses.replace(task.TASK, **change), max_batches=1)
+        assert str(refused.value) == expected
 
 
 def test_a_max_steps_past_the_epochs_says_where_the_run_ends(baked_module, caplog):

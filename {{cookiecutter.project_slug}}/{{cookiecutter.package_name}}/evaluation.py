@@ -83,9 +83,19 @@ def evaluate_on_every_rank(model: torch.nn.Module, loader, device: torch.device,
     if task.evaluation_outputs is not None:
         gathered = [row for rank_rows in all_gather_objects(rows) for row in rank_rows]  # rank by rank
         outputs = {name: torch.cat([row[name] for row in gathered]) for name in (gathered[0] if gathered else {})}
-    if sums.get(task.throughput_unit, 0) == 0:
-        return {"loss": math.nan, task.throughput_unit: 0}
-    return task.summarize(sums, outputs)
+    unit = task.throughput_unit
+    if unit not in sums:  # alike on every rank: the names are the lowest rank's
+        raise UsageError(f"task.evaluation_sums returned no {unit!r} (it returned {', '.join(sorted(sums))}): the "
+                         f"count of held-out {unit} in the batch, which the evaluation divides its sums by and logs; "
+                         f"add it to the dict evaluation_sums returns in task.py")
+    if sums[unit] == 0:  # no held-out data
+        return {"loss": math.nan, unit: 0}
+    results = task.summarize(sums, outputs)
+    if unit not in results:
+        raise UsageError(f"task.summarize returned no {unit!r} (it returned {', '.join(sorted(results))}): the "
+                         f"count of held-out {unit}, logged beside the metrics; add {unit!r}: sums[{unit!r}] to "
+                         "the dict summarize returns in task.py")
+    return results
 
 
 def shapes_of(values: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:

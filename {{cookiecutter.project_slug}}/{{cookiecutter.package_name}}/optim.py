@@ -75,6 +75,15 @@ RESERVED_LOG_NAMES = {"kind", "step", "restart", "loss", "grad_norm", "lr", "sam
                       "data_wait_frac", "max_memory_gib", "mfu"}
 
 
+def bypassed_forward(name: str, networks: int) -> str:
+    """The one line for a loss that trains a network without calling it (Step.check_called)."""
+    what = "the model compute_loss was given" if networks == 1 else f"networks.{name}"
+    return (f"the loss gave {what} gradients without calling it: it ran the plain model (step.model) or a method "
+            "other than forward (such as model.decode(...)), and DDP and FSDP2 sync gradients only through forward, "
+            "so under torchrun the ranks would train different models; call the model itself (model(batch)) and do "
+            "that work in its forward")
+
+
 def parameters_without_gradient(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> list[str]:
     """The names of the parameters these optimizers train that hold no gradient now."""
     trained = {id(parameter) for optimizer in optimizers for group in optimizer.param_groups
@@ -144,12 +153,51 @@ class Step:
             with contextlib.ExitStack() as sync:
                 for network in vars(self.networks).values():  # all-reduce only on the last micro-batch
                     sync.enter_context(gradient_sync(network, enabled=index == len(batches)))
+                called = self.watch_calls() if self.number == self.first_number and index == 1 else None
                 with self.amp.autocast():
-                    loss = loss_of(self.networks, batch)
+                    try:
+                        loss = loss_of(self.networks, batch)
+                    except AttributeError as error:  # a method of the model, asked of DDP's wrapper
+                        raise self.wrapper_lacks(error) or error
                 self.amp.backward(loss / len(batches))
+                if called is not None:
+                    self.check_called(*called)
             self.nonfinite.watch(loss)
             total = total + loss.detach()
         return total / len(batches)
+
+    def wrapper_lacks(self, error: AttributeError) -> UsageError | None:
+        """What one process (the model unwrapped) reports as check_called's line, for the same loss under DDP."""
+        for name, network in vars(self.networks).items():
+            wrapper = type(network).__name__
+            if wrapper in ("DistributedDataParallel", "OptimizedModule") and str(error).startswith(
+                    f"'{wrapper}' object has no attribute"):
+                return UsageError(bypassed_forward(name, len(vars(self.networks))))
+        return None
+
+    def watch_calls(self) -> tuple[dict[str, bool], dict[str, set[int]], list]:
+        """At this run's first step: which networks the loss calls, and which parameters have a gradient before it
+        (for check_called). The hooks run only then."""
+        called = dict.fromkeys(vars(self.networks), False)
+        had_gradient = {name: {id(parameter) for parameter in network.parameters() if parameter.grad is not None}
+                        for name, network in vars(self.networks).items()}
+
+        def hook(name: str):
+            return lambda *_: called.__setitem__(name, True)
+        handles = [network.register_forward_pre_hook(hook(name)) for name, network in vars(self.networks).items()]
+        return called, had_gradient, handles
+
+    def check_called(self, called: dict[str, bool], had_gradient: dict[str, set[int]], handles: list) -> None:
+        """Stop, in one plain process as under torchrun, when the loss gave a network's parameters gradients without
+        calling that network: it ran the plain model (step.model) or a method other than forward (model.decode(...)).
+        DDP and FSDP2 sync gradients only through the wrapped network's forward: the ranks would train different
+        models (under DDP, a method it lacks fails as an AttributeError instead)."""
+        for handle in handles:
+            handle.remove()
+        for name, network in vars(self.networks).items():
+            if not called[name] and any(parameter.grad is not None and id(parameter) not in had_gradient[name]
+                                        for parameter in network.parameters()):
+                raise UsageError(bypassed_forward(name, len(vars(self.networks))))
 
     def log(self, **values: float | torch.Tensor) -> None:
         """Values to log beside the loss (a learned temperature, an auxiliary loss, the terms of a sum): in the log
