@@ -693,14 +693,15 @@ def test_a_mixture_of_experts_trains_with_unused_experts_counts_their_shares_and
     assert_same(resumed, expected)
 
 
-def test_a_tasks_batches_go_to_the_ranks_in_turn_and_resume_at_a_whole_batch(baked_module):
+def test_a_tasks_batches_go_to_the_ranks_in_turn_and_resume_at_a_whole_batch(baked_module, monkeypatch):
     import torch
 
     data, errors = baked_module("data"), baked_module("engine.errors")
     made = [[0, 1, 2], [3], [4, 5], [6, 7, 8, 9], [10], [11, 12], [13, 14, 15], [16]]  # 17 samples, 8 batches
+    task_options = SimpleNamespace(max_length=64)
 
     def sampler(rank: int, world_size: int) -> object:
-        options = SimpleNamespace(grad_accum=2)
+        options = SimpleNamespace(grad_accum=2, task=task_options)
         return data.TaskBatches(lambda dataset, options, epoch: made, None, options,
                                 SimpleNamespace(rank=rank, world_size=world_size), torch.device("cpu"))
     ranks = [sampler(rank, 2) for rank in range(2)]
@@ -714,17 +715,35 @@ def test_a_tasks_batches_go_to_the_ranks_in_turn_and_resume_at_a_whole_batch(bak
     assert [[index for _, index in batch] for batch in one] == [[10], [11, 12], [13, 14, 15], [16]]
     with pytest.raises(errors.UsageError, match="stands 5 samples into epoch 0, between two of Task.batches'"):
         one.set_epoch(0, 5)
-    # A checkpoint of other batches (an option they depend on changed): refused, not resumed at a count.
+    # A checkpoint of other batches: refused, not resumed at a count, with the cause the resume can tell apart.
     loader = SimpleNamespace(batch_sampler=one)
     saved = data.TaskBatchLoader.state_dict(loader)
     made.reverse()
-    one.cached = (-1, [], [0])
-    data.TaskBatchLoader.load_state_dict(loader, saved)
-    with pytest.raises(errors.UsageError, match="makes other batches for epoch 0 than the run that wrote the"):
-        one.set_epoch(0, 10)
+    refused = "Task.batches makes other batches for epoch 0 than the run that wrote the checkpoint, so its count "
+    for change, cause in [
+            (dict(world_size=2), "the checkpoint was written by 2 ranks and Task.batches depends on the world size; "
+                                 "resume on 2 ranks, or make the batches without it"),
+            (dict(task_options="0" * 16), "a task option changed (listed above, in the line of changed options); "),
+            ({}, "state they depend on that the checkpoint does not hold (a value learnt during the run, such as a "
+                 "curriculum stage: keep it in the task's state, which checkpoints save), or code they depend on ")]:
+        one.cached = (-1, [], [0])
+        data.TaskBatchLoader.load_state_dict(loader, {**saved, **change})
+        with pytest.raises(errors.UsageError) as error:
+            one.set_epoch(0, 10)
+        assert str(error.value).startswith(refused) and cause in str(error.value), str(error.value)
     made.append([])
     with pytest.raises(errors.UsageError, match="made an empty batch for epoch 1"):
         one.set_epoch(1)
+    made.pop()
+    # What the ranks' comparison (an all-reduce of the batches' hashes) says when they differ: every cause.
+    monkeypatch.setattr(data, "same_on_every_rank", lambda value, device: False)
+    with pytest.raises(errors.UsageError) as error:
+        one.set_epoch(1)
+    assert str(error.value) == (
+        "Task.batches made other batches for epoch 1 on other ranks: they depend on something each rank holds apart: "
+        "a value a rank decided from its own loss or data (decide it from numbers all-reduced over the ranks), "
+        "torch's global generator, which each rank seeds apart (draw from options.seed and the epoch, a "
+        "torch.Generator of their own), or the rank itself; make them from what every rank shares")
 
 
 def test_what_an_evaluation_draws_leaves_the_training_runs_generators_as_they_were(baked_module):
@@ -810,8 +829,11 @@ def test_rank_0_work_every_names_a_number_or_an_int_task_option(baked_module):
                                 ("sample_every", {"sample_every": 0}, 0)]:
         spec(work).check(options(**fields))
         assert spec(work).work_every(options(**fields)) == every
-    for fields, held in [({}, "None"), ({"sample_every": -1}, "-1"), ({"sample_every": "x"}, "'x'")]:
+    for fields, held in [({}, "None"), ({"sample_every": "x"}, "'x'")]:  # the task's code
         with pytest.raises(usage_error) as refused:
             spec("sample_every").check(options(**fields))
         assert str(refused.value) == (f"Task(rank_0_work=('sample_every', ...)) names a TaskOptions field for its "
                                       f"steps; it holds {held}: give it an int option, >= 1 (0: never)")
+    with pytest.raises(usage_error) as refused:  # the user's flag
+        spec("sample_every").check(options(sample_every=-1))
+    assert str(refused.value) == "--sample-every must be >= 0 (0: never), got -1"

@@ -173,15 +173,32 @@ class TaskBatches:
     def set_epoch(self, epoch: int, samples_in_epoch: int = 0) -> None:
         """Every rank, at the epoch's start or resumed in it (a collective): the batches must be one list."""
         if not same_on_every_rank(self.digest(epoch), self.device):
-            raise UsageError(f"Task.batches made other batches for epoch {epoch} on other ranks; draw them from "
-                             "options.seed and the epoch alone (a torch.Generator of their own), not torch's "
-                             "global generator, which each rank seeds apart")
+            raise UsageError(f"Task.batches made other batches for epoch {epoch} on other ranks: they depend on "
+                             "something each rank holds apart: a value a rank decided from its own loss or data "
+                             "(decide it from numbers all-reduced over the ranks), torch's global generator, which "
+                             "each rank seeds apart (draw from options.seed and the epoch, a torch.Generator of "
+                             "their own), or the rank itself; make them from what every rank shares")
         saved, self.saved = self.saved, None
         if saved is not None and saved["epoch"] == epoch and saved["batches"] != self.digest(epoch):
             raise UsageError(f"Task.batches makes other batches for epoch {epoch} than the run that wrote the "
-                             "checkpoint (an option or code they depend on changed), so its count of samples trained "
-                             "on names no place in them; resume with the options and code that wrote it")
+                             f"checkpoint, so its count of samples trained on names no place in them: "
+                             f"{self.why_other_batches(saved)}")
         self.epoch, self.start = epoch, self.first_batch(epoch, samples_in_epoch)
+
+    def options_digest(self) -> str:
+        return hashlib.sha256(repr(sorted(vars(self.options.task).items())).encode()).hexdigest()[:16]
+
+    def why_other_batches(self, saved: dict) -> str:
+        """The cause a resume can tell apart, from what the checkpoint recorded beside the batches' hash."""
+        if saved.get("world_size", self.world_size) != self.world_size:
+            return (f"the checkpoint was written by {saved['world_size']} ranks and Task.batches depends on the "
+                    f"world size; resume on {saved['world_size']} ranks, or make the batches without it")
+        if saved.get("task_options", self.options_digest()) != self.options_digest():
+            return ("a task option changed (listed above, in the line of changed options); resume with the options "
+                    "that wrote it")
+        return ("state they depend on that the checkpoint does not hold (a value learnt during the run, such as a "
+                "curriculum stage: keep it in the task's state, which checkpoints save), or code they depend on "
+                "changed; resume with the code that wrote it")
 
     def __len__(self) -> int:  # this rank's micro-batches left this epoch
         per_step = self.world_size * self.grad_accum
@@ -205,8 +222,10 @@ class TaskBatchLoader(DataLoader):
 
     position_entry = "batches_position"  # its checkpoint entry
 
-    def state_dict(self) -> dict:
-        return {"epoch": self.batch_sampler.epoch, "batches": self.batch_sampler.digest(self.batch_sampler.epoch)}
+    def state_dict(self) -> dict:  # what a resume whose batches differ names the cause with, besides their hash
+        sampler = self.batch_sampler
+        return {"epoch": sampler.epoch, "batches": sampler.digest(sampler.epoch), "world_size": sampler.world_size,
+                "task_options": sampler.options_digest()}
 
     def load_state_dict(self, state: dict) -> None:
         self.batch_sampler.saved = state

@@ -176,7 +176,9 @@ class Task:
             every_model = {**(self.more_models() if self.more_models else {}), **self.models}
             raise UsageError(self.unknown_name("model", options.task.model, every_model))
         every = self.work_every(options)  # a number Task() checked, or what the TaskOptions field it names holds
-        if not isinstance(every, int) or every < 0:
+        if isinstance(every, int) and every < 0:  # the user's flag
+            raise UsageError(f"--{self.rank_0_work[0].replace('_', '-')} must be >= 0 (0: never), got {every}")
+        if not isinstance(every, int):
             raise UsageError(f"Task(rank_0_work=({self.rank_0_work[0]!r}, ...)) names a TaskOptions field for its "
                              f"steps; it holds {every!r}: give it an int option, >= 1 (0: never)")
         self.check_options(options)

@@ -84,9 +84,10 @@ def check_replicas_match(model: nn.Module, step: int, without_gradient: list[str
             "checkpoint; if it comes back, drain that node")
     raise UsageError(
         f"the ranks hold different models after step {step}: {which}. DDP did not all-reduce every gradient, "
-        "or something changed parameters outside the optimizer: a forward whose output DDP cannot look into (a "
-        "dataclass not registered with torch.utils._pytree), code that depends on the rank, or an in-place "
-        "update of a parameter; fix the model or loss in task.py")
+        "or something changed parameters outside the optimizer: the loss ran the plain model (step.model) or a "
+        "method other than forward (DDP syncs gradients only through forward), a forward whose output DDP cannot "
+        "look into (a dataclass not registered with torch.utils._pytree), code that depends on the rank, or an "
+        "in-place update of a parameter; fix the model or loss in task.py")
 
 
 def describe_groups(groups: list[list[int]], places: list[tuple]) -> str:
