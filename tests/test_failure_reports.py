@@ -213,3 +213,37 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_before_its_update_and_a_resume_
     losses = [float(loss) for loss in re.findall(r"step (?:7|8|9|10) \| epoch 0 \| loss (\S+)", resumed.stderr)]
     assert len(losses) == 4 and all(loss == loss and abs(loss) < 1e3 for loss in losses), resumed.stderr
     assert (ckpt_dir / "step-10.pt").exists()  # saved: a save refuses a model that is not finite
+
+
+# Rank 0's own work (a beam search, samples) that runs past --io-timeout at step 2, every time.
+RANK_0_WORK_NEVER_ENDS = '''
+
+import dataclasses
+import time
+
+TASK = dataclasses.replace(TASK, rank_0_work=(2, lambda step, generator: time.sleep(3600)))
+'''
+
+
+@pytest.mark.slow
+def test_a_hang_that_recurs_at_the_same_step_is_named_with_its_flag_once_and_not_retried(default_project, tmp_path):
+    project = with_task_code(default_project, tmp_path, RANK_0_WORK_NEVER_ENDS)
+    result = run_job(project, tiny_run(num_workers=0, ckpt_dir=tmp_path / "ckpt", io_timeout=4, step_timeout=4),
+                     max_restarts=3, STOP_REQUEUE_FILE=str(tmp_path / "stop-requeue"), timeout=240)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-4000:]
+    hangs = [line for line in output.splitlines() if "HANG: " in line and "traceback" not in line]
+    assert len(hangs) == 2, output[-6000:]  # the first attempt's, and the retry's that met it again
+    assert hangs[0].startswith("HANG: rank(s) 0 stopped making progress (past --io-timeout 4 s). Where each rank "
+                               "was: rank 0: step 2, the task's work on rank 0, not waiting"), hangs[0]
+    assert hangs[0].endswith("; exiting so torchrun restarts the group from the last checkpoint."), hangs[0]
+    assert hangs[1].startswith("error: HANG: rank(s) 0 stopped making progress (past --io-timeout 4 s)"), hangs[1]
+    assert hangs[1].endswith("; the same hang as the previous attempt, at the same step and phase from the same "
+                             "checkpoint: it recurs, so the job is not retried; if that work needs longer, raise "
+                             "--io-timeout (now 4 s)"), hangs[1]
+    assert (tmp_path / "stop-requeue").read_text() == hangs[1] + "\n"
+    # Two attempts trained; the next ones ended at once, and the log kept a few frames of each stack.
+    assert output.count("world_size=2") == 2 and len(re.findall(r"failed \(exitcode", output)) >= 3, output[-4000:]
+    [stacks] = list((project / "hang-reports").iterdir())
+    assert "time.sleep(3600)" in (stacks / "stack-rank-0.txt").read_text()
+    assert len(output.splitlines()) < 150, output

@@ -403,9 +403,11 @@ def test_a_rank_that_never_reaches_the_next_collective_is_named_and_torchruns_ro
                              max_restarts=0, **with_fault(tmp_path, RANK_1_HANGS_IN_STEP_12))  # no logging's all-reduce
     output = launcher.communicate(timeout=300)[0]
     assert launcher.returncode == 1, output
-    assert "[rank 1] no progress for 3 s in training step (step 12); NOT waiting for other ranks" in output, output
+    assert ("[rank 1] no progress for 3 s in training step (step 12, past --step-timeout 3 s); NOT waiting for other "
+            "ranks") in output, output
     assert "in hang_in_step_12" in output  # its stack says where it is stuck
-    assert ("HANG: rank(s) 1 stopped making progress. Where each rank was: rank 0: step 12, saving a checkpoint, "
+    assert ("HANG: rank(s) 1 stopped making progress (past --step-timeout 3 s). Where each rank was: rank 0: step 12, "
+            "saving a checkpoint, "
             "a slow phase (--io-timeout), sent no report; rank 1: step 12, training step, not waiting") in output
     assert "SIGKILL" not in output and "[rank 0] no progress" not in output, output
     root_cause = output[output.index("Root Cause (first observed failure)"):]
@@ -574,7 +576,8 @@ def test_with_steps_longer_than_the_report_window_the_stopped_rank_is_the_one_na
                              **with_fault(tmp_path, SLOW_STEPS_AND_RANK_1_HANGS_AFTER_STEP_2))
     output = launcher.communicate(timeout=300)[0]
     assert launcher.returncode == 0, output
-    assert "HANG: rank(s) 1 stopped making progress. Where each rank was: rank 0: step 3" in output, output
+    assert ("HANG: rank(s) 1 stopped making progress (past --step-timeout 6 s). Where each rank was: rank 0: step 3"
+            in output), output
     assert "sent no report" not in output, output  # rank 0 reported in time: not named, not SIGKILLed
     assert_bitwise_equal(checkpoint(tmp_path / "ckpt", 40), checkpoint(uninterrupted_bare, 40))
 

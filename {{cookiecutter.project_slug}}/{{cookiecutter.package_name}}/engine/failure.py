@@ -48,6 +48,7 @@ from .distributed import DistEnv, PortTaken, as_file_name, publish_usage_error
 from .errors import UsageError
 from .processes import process_identity
 from .replicas import ReplicaCorrupted
+from . import watchdog
 from .watchdog import REPORTING_A_HANG, STEPPED
 
 # What gloo and NCCL raise on a rank whose peer died: the group is gone, and torchrun restarts it.
@@ -157,6 +158,20 @@ class CrashRecord:
         self.launcher = process_identity(os.getppid())  # torchrun's agent: unique while the machine is up
         launcher = as_file_name(self.launcher)
         self.claim = folder / f"{name}.{launcher}.attempt-{env.restart_count}.reported"
+        watchdog.hang_recorder = self.hang_recurs  # the watchdog's summary of a hang, recorded like a crash
+
+    def hang_recurs(self, summary: str) -> bool:
+        """Record the hang this attempt ends in (`summary`: which ranks stopped, each rank's step and phase), and
+        whether the previous attempt ended in the same one, from the same checkpoint with the same code and
+        command: a hang that recurs there is deterministic (work that needs longer than its limit), so it is
+        recorded as a bug, which this torchrun's later attempts do not retry (known_bug)."""
+        if not self.env.launched_by_torchrun:
+            return False
+        crash = Crash(summary.removesuffix(watchdog.RESTART_WORDS), "the watchdog", **conditions_now(self.ckpt_dir))
+        previous, _, _ = self.read()
+        repeated = crash == previous
+        self.write(crash, bug=repeated)
+        return repeated
 
     def read(self) -> tuple[Crash | None, bool, str]:
         """(the last crash, whether it was found to be a bug, the torchrun process it happened under)."""

@@ -20,6 +20,7 @@ import faulthandler
 import json
 import logging
 import os
+import re
 import select
 import signal
 import socket
@@ -27,7 +28,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -63,6 +64,11 @@ STEPPED = threading.Event()
 # The main thread's innermost frame in one of these means it waits for other ranks: in a collective, or in a
 # backward pass whose gradient all-reduce waits for them.
 WAITING_IN = ("torch/distributed/", "torch/autograd/", "torch/_tensor.py")
+# The log keeps this many innermost frames of a stopped rank's stack; the whole stack goes to a file.
+FRAMES_LOGGED = 3
+# Set by failure.py's CrashRecord: given a hang's summary, whether the previous attempt ended in the same hang
+# (then recorded as a bug, which later attempts under this torchrun do not retry).
+hang_recorder: Callable[[str], bool] | None = None
 
 
 class Phase(NamedTuple):
@@ -82,7 +88,8 @@ class WatchdogOptions:
         120, "seconds a training step may take before its rank counts as stopped: it logs where every rank "
         "was and exits, so torchrun restarts the group from the last checkpoint")
     io_timeout: float = option(
-        1800, "the same for start-up (downloads, compilation, the first step), checkpoint I/O and evaluation")
+        1800, "the same for start-up (downloads, compilation, the first step), checkpoint I/O, evaluation and the "
+        "task's work on rank 0 alone (Task.rank_0_work: samples, a beam search)")
 
     def collective_timeout(self) -> timedelta:
         """The process group's bound on any one collective: a backstop behind the watchdog's timeouts."""
@@ -284,12 +291,13 @@ class Watchdog:
         REPORTING_A_HANG.set()
         waiting = self._waiting_for_others()
         stopped_since = time.time() - stalled
+        limit = f"--io-timeout {self.io_timeout:g} s" if self._phase.slow else f"--step-timeout {self.step_timeout:g} s"
         report = {"rank": self.env.rank, "step": step, "phase": what, "stalled_s": round(stalled),
-                  "waiting_for_others": waiting, "stopped_since": stopped_since}
-        line = (f"[rank {self.env.rank}] no progress for {stalled:.0f} s in {what} (step {step}); "
+                  "waiting_for_others": waiting, "stopped_since": stopped_since, "limit": limit}
+        line = (f"[rank {self.env.rank}] no progress for {stalled:.0f} s in {what} (step {step}, past {limit}); "
                 f"{WAITING_WORDS[waiting]}")
         stack = self._main_thread_stack()
-        sys.stderr.write(f"{line}; its stack:\n{stack}{self._write_nccl_flight_record()}")
+        sys.stderr.write(f"{line}; innermost frames:\n{self._log_stack(stack)}{self._write_nccl_flight_record()}")
         sys.stderr.flush()
         summary = None
         try:
@@ -297,11 +305,35 @@ class Watchdog:
         except Exception as error:  # noqa: BLE001 - the store lives on rank 0, which may be the one that stopped
             sys.stderr.write(f"[rank {self.env.rank}] could not share this report ({type(error).__name__}); "
                              "rank 0, which holds the job's store, may be the rank that stopped\n")
+        if summary is not None and hang_recorder is not None and hang_recorder(summary):
+            raise_limits = " or ".join(f"{name} (now {value} s)" for name, value in stopped_limits(summary))
+            summary = (f"error: {summary.removesuffix(RESTART_WORDS)}; the same hang as the previous attempt, at the "
+                       "same step and phase from the same checkpoint: it recurs, so the job is not retried"
+                       + (f"; if that work needs longer, raise {raise_limits}" if raise_limits else ""))
+            if self.env.stop_requeue_file:
+                with contextlib.suppress(OSError):
+                    Path(self.env.stop_requeue_file).write_text(summary + "\n")
+        if summary is not None:
+            sys.stderr.write(summary + "\n")
+            sys.stderr.flush()
         # torchrun names as root cause the failure with the earliest time: a rank whose own code stopped failed
         # when it stopped; one waiting for it, when it gave up.
         write_error_file(self.env.error_file, summary or line, stack,
                          stopped_since if waiting is False else time.time())
         os._exit(EXIT_CODE_AFTER_HANG)
+
+    def _log_stack(self, stack: str) -> str:
+        """The innermost FRAMES_LOGGED frames of `stack`, and where the whole of it went (a waiting rank's runs to
+        dozens of frames, and every rank logs its own)."""
+        frames = traceback.format_list(traceback.extract_stack(sys._current_frames().get(self._main_thread)))
+        path = hang_reports_folder(self.env) / f"stack-rank-{self.env.rank}.txt"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(stack)
+            where = f"  (whole stack: {path})\n"
+        except OSError as error:
+            return stack + f"  (could not write {path}: {error.strerror})\n"
+        return "".join(frames[-FRAMES_LOGGED:]) + where
 
     def _write_nccl_flight_record(self) -> str:
         """On NCCL: this rank's last collectives, as torch's flight recorder saw them, beside the ones NCCL
@@ -320,7 +352,7 @@ class Watchdog:
             return f"(no NCCL flight record: {type(error).__name__}: {error})\n"
 
     def _share_and_summarize(self, report: dict) -> str | None:
-        """The summary, if this rank printed it."""
+        """The summary, if this rank is the one to print it."""
         if self._store_address is None:
             return None
         # The other live ranks time out within one step of this one: a rank that finished one more step than
@@ -330,9 +362,6 @@ class Watchdog:
                                     self.env.world_size, report,
                                     window=3 + (self._longest_step or self._first_step),
                                     flight_records=hang_reports_folder(self.env), host=socket.gethostname())
-        if summary is not None:
-            sys.stderr.write(summary + "\n")
-            sys.stderr.flush()
         return summary
 
 
@@ -511,15 +540,25 @@ def hang_summary(reports: dict[int, dict], silent: list[int], flight_records: Pa
             places.append((place, [rank]))
     where = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {rank_ranges(ranks)}: {place}" for place, ranks in places)
     if stopped:
+        limits = sorted({reports[rank]["limit"] for rank in not_waiting if "limit" in reports[rank]})
         culprit = (f"rank(s) {rank_ranges(stopped)} stopped making progress"
+                   + (f" (past {' and '.join(limits)})" if limits else "")
                    + (f" ({rank_ranges(silent)} sent no report: stopped, or frozen)" if silent else ""))
     elif unknown:
         culprit = (f"no rank named by its stack on NCCL; `python -m torch.distributed.flight_recorder.fr_trace "
                    f"{flight_records}` shows which collective each rank reached")
     else:
         culprit = "every rank waits for the others: ranks called different collectives"
-    return (f"HANG: {culprit}. Where each rank was: {where}. Stacks above; exiting so torchrun restarts the "
-            "group from the last checkpoint.")
+    return f"HANG: {culprit}. Where each rank was: {where}. Stacks: {flight_records}/stack-rank-<N>.txt{RESTART_WORDS}"
+
+
+# How a hang's summary ends; a hang that recurs says instead why it ends the job.
+RESTART_WORDS = "; exiting so torchrun restarts the group from the last checkpoint."
+
+
+def stopped_limits(summary: str) -> list[tuple[str, str]]:
+    """(flag, value) of the limits the stopped ranks ran past, as hang_summary names them."""
+    return sorted(set(re.findall(r"(--(?:io|step)-timeout) ([\d.e+]+) s", summary.split(". Where")[0])))
 
 
 def rank_ranges(ranks: list[int]) -> str:
