@@ -67,6 +67,18 @@ MAX_NODES="${NNODES#*:}"
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-100}"
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
+# torchrun as its console script runs it (torch.distributed.run's main), except that a stop by a signal (a
+# preemption's SIGTERM, Ctrl-C) ends in one line and the shell's status for that signal (143 for SIGTERM, which
+# schedulers retry), where torchrun prints a traceback of its own SignalException and exits 1.
+TORCHRUN=(python3 -c 'import signal, sys
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.run import main
+sys.argv[0] = "torchrun"
+try:
+    main()
+except SignalException as stop:
+    print(f"run_node.sh: torchrun stopped by {signal.Signals(stop.sigval).name}", file=sys.stderr)
+    sys.exit(128 + stop.sigval)')
 ENTRY_POINT=(train.py)
 {%- if cookiecutter.use_preflight == "yes" %}
 if [[ "${1:-}" == --preflight ]]; then
@@ -127,7 +139,7 @@ if [[ "${1:-}" == --lighthouse || "$REPLICA_GROUPS" != 0 ]]; then
   export REPLICA_GROUP_ADDR
   echo "run_node.sh: replica group $REPLICA_GROUP_ID of $REPLICA_GROUPS nproc_per_node=$NPROC_PER_NODE lighthouse=$TORCHFT_LIGHTHOUSE address=$REPLICA_GROUP_ADDR max_restarts=$MAX_RESTARTS" >&2
   unset TORCH_DISABLE_SHARE_RDZV_TCP_STORE
-  TORCHRUN=(torchrun --standalone --nnodes=1 --nproc-per-node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS"
+  TORCHRUN+=(--standalone --nnodes=1 --nproc-per-node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS"
     "${ENTRY_POINT[@]}" "$@")
   [[ "${ENTRY_POINT[0]}" != train.py ]] || TORCHRUN+=(--replica-groups "$REPLICA_GROUPS")
   if [[ -z "$LIGHTHOUSE_PID" ]]; then
@@ -160,7 +172,7 @@ if [[ -z "$RDZV_ENDPOINT" ]]; then
   # torchrun would pick a free port for rank 0 to listen on seconds later, and another job on this machine could
   # take it in between (pytorch/pytorch#126510).
   unset TORCH_DISABLE_SHARE_RDZV_TCP_STORE
-  exec torchrun --standalone --nnodes=1 --nproc-per-node="$NPROC_PER_NODE" \
+  exec "${TORCHRUN[@]}" --standalone --nnodes=1 --nproc-per-node="$NPROC_PER_NODE" \
     --max-restarts="$MAX_RESTARTS" "${ENTRY_POINT[@]}" "$@"
 fi
 
@@ -231,6 +243,6 @@ if [[ "$ROUTE_TARGET" != 127.* ]]; then
 fi
 
 echo "run_node.sh: nnodes=$NNODES nproc_per_node=$NPROC_PER_NODE rdzv_endpoint=$RDZV_ENDPOINT ($ENDPOINT_IP) rdzv_id=$RDZV_ID max_restarts=$MAX_RESTARTS rdzv_timeout=${RDZV_TIMEOUT}s $DETECTED" >&2
-exec torchrun --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
+exec "${TORCHRUN[@]}" --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
   --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="$RDZV_ID" --rdzv-conf="$RDZV_CONF" \
   "${LOCAL_ADDR_ARGS[@]}" --max-restarts="$MAX_RESTARTS" "${ENTRY_POINT[@]}" "$@"

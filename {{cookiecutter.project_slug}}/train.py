@@ -48,7 +48,7 @@ from {{ cookiecutter.package_name }}.engine.failure import (
 )
 from {{ cookiecutter.package_name }}.engine.replicas import check_replicas_match
 from {{ cookiecutter.package_name }}.engine.reproducibility import seed_and_choose_kernels, seed_per_rank
-from {{ cookiecutter.package_name }}.engine.watchdog import EXIT_CODE_AFTER_SIGTERM, StopAgreement, Watchdog
+from {{ cookiecutter.package_name }}.engine.watchdog import StopAgreement, Watchdog, exit_after_sigterm
 from {{ cookiecutter.package_name }}.evaluation import evaluate
 from {{ cookiecutter.package_name }}.metrics import build_meter
 from {{ cookiecutter.package_name }}.optim import (
@@ -298,7 +298,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
 {%- endif %}
     if stop_requested:  # preemption, or torchrun stopping the group
         log.info("stopped by SIGTERM after step %d; run the same command again to resume", progress.step)
-        sys.exit(EXIT_CODE_AFTER_SIGTERM)
+        exit_after_sigterm(env)  # status 143; torchrun stops too, instead of restarting the group
 
 
 @record  # an uncaught exception's traceback reaches torchrun's failure summary

@@ -48,6 +48,18 @@ log = logging.getLogger(__name__)
 EXIT_CODE_AFTER_SIGTERM = 128 + signal.SIGTERM
 
 
+def exit_after_sigterm(env: DistEnv) -> None:
+    """End a rank after the stop every rank agreed on has saved, with EXIT_CODE_AFTER_SIGTERM; under torchrun, first
+    tell the launcher to stop too (each machine's first rank sends its torchrun SIGTERM). The signal may have
+    reached the workers alone (a `kill` of them, a scheduler that signals some processes): torchrun would restart
+    a group whose workers exit non-zero, and its other machines' groups would wait for this one at the next
+    rendezvous. A torchrun that was signalled first is stopping already, and waits for its workers again."""
+    if env.launched_by_torchrun and env.is_local_main_process:
+        with contextlib.suppress(OSError):
+            os.kill(os.getppid(), signal.SIGTERM)
+    sys.exit(EXIT_CODE_AFTER_SIGTERM)
+
+
 # Exit status of a rank that stopped making progress: non-zero, so torchrun restarts the group.
 EXIT_CODE_AFTER_HANG = 124
 # After SIGTERM, how long a rank may stay in a training step before any step has been timed, before it counts
