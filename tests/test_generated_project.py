@@ -209,7 +209,8 @@ def test_the_first_step_has_start_ups_allowance_even_after_the_evaluation_check(
     result = run([str(BIN / "python"), "-c", SLOW_FIRST_STEP_AFTER_THE_EVALUATION_CHECK], cwd=default_project,
                  timeout=60)
     assert "first step done" in result.stdout and "second step done" not in result.stdout, result.stdout
-    assert result.returncode == 124 and "in training step (step 2, past --step-timeout 1 s)" in result.stderr, result.stderr
+    assert result.returncode == 124, result.stderr
+    assert "in training step (step 2, past --step-timeout 1 s)" in result.stderr, result.stderr
 
 
 def test_on_nccl_the_hang_report_uses_torchs_flight_recorder(baked_train, tmp_path, monkeypatch):
