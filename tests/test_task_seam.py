@@ -802,6 +802,10 @@ def test_a_count_the_evaluation_reads_missing_from_the_tasks_dicts_is_one_line_n
             evaluation.evaluate(model, loader, cpu, optim.MixedPrecision("fp32", cpu),
                                 dataclasses.replace(task.TASK, **change), max_batches=1)
         assert str(refused.value) == expected
+    # Counts the task summed as integers reach summarize as ints (logged "correct 5", not "correct 5.0000").
+    sums = evaluation.evaluate(model, loader, cpu, optim.MixedPrecision("fp32", cpu),
+                               dataclasses.replace(task.TASK, summarize=lambda sums, outputs: sums), max_batches=1)
+    assert type(sums["samples"]) is int and type(sums["correct"]) is int and type(sums["loss"]) is float, sums
 
 
 def test_a_max_steps_past_the_epochs_says_where_the_run_ends(baked_module, caplog):

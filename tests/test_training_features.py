@@ -63,13 +63,16 @@ def test_mixed_precision_with_accumulation_and_clipping_learns_and_records_metri
     ckpt_dir, log_dir = tmp_path / "checkpoints", tmp_path / "logs"
     # 3 epochs evaluated every 2nd: after the 2nd, and at the run's end although 3 is not a multiple of 2.
     result = torchrun(default_project, 2, precision=precision, grad_accum=2, clip_grad=1.0, lr=0.05, epochs=3,
-                      eval_every=2, max_steps=None, warmup_steps=2, ckpt_dir=ckpt_dir, log_dir=log_dir)
+                      eval_every=2, max_steps=None, warmup_steps=2, log_every=5, ckpt_dir=ckpt_dir, log_dir=log_dir)
     assert "samples/s" in result.stderr and "data wait" in result.stderr
 
     rows = metric_rows(log_dir)
     train_rows = [row for row in rows if row["kind"] == "train"]
     eval_rows = [row for row in rows if row["kind"] == "eval"]
-    assert [row["step"] for row in train_rows] == list(range(2, 49, 2))  # 3 epochs of 16 steps, every 2nd
+    # 3 epochs of 16 steps, every 5th, and the run's last 3 steps, in a line that says so.
+    assert [(row["step"], row["steps"]) for row in train_rows] == [*((step, 5) for step in range(5, 46, 5)), (48, 3)]
+    [partial] = [line for line in result.stderr.splitlines() if "| over " in line]
+    assert " step 48 | " in partial and partial.endswith(" | over 3 steps"), partial
     for row in train_rows:
         assert {"loss", "lr", "samples_per_sec", "step_time_s", "data_wait_frac"} <= row.keys()
         assert row["samples_per_sec"] > 0 and 0 <= row["data_wait_frac"] < 1
@@ -82,6 +85,7 @@ def test_mixed_precision_with_accumulation_and_clipping_learns_and_records_metri
         expected = 0.05 * middle / 64 if middle < 64 else 0.05 * 0.5 * (1 + math.cos(math.pi * (middle - 64) / 1472))
         assert row["lr"] == pytest.approx(expected), row
     assert [(row["step"], row["samples"]) for row in eval_rows] == [(32, 128), (48, 128)]
+    assert all(isinstance(row["samples"], int) for row in eval_rows), "a count is logged as one, not as 128.0"
     assert eval_rows[-1]["accuracy"] > 0.3  # 10 classes: chance is 0.1
 
     scalars = tensorboard_scalars(log_dir)

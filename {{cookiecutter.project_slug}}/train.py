@@ -286,6 +286,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
             with watchdog.slow_phase("saving a checkpoint"):
                 checkpointer.save(progress)  # before that evaluation: one that fails loses no training
 
+    meter.log_the_rest(progress)  # the steps since the last line, also of a stop
     # meter.close() inside the phase, also on the SIGTERM exit: the tracker's last rows are written within its limit.
 {%- if cookiecutter.use_profiling == "yes" %}
     profiler.close()  # a run that ended inside the profiled steps still writes their trace

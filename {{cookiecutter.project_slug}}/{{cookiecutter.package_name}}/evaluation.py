@@ -59,7 +59,7 @@ def evaluate_on_every_rank(model: torch.nn.Module, loader, device: torch.device,
             outputs = None if task.evaluation_outputs is None else task.evaluation_outputs(model, batch)
         return sums, outputs
 
-    totals, rows, batch, problem = None, [], None, None
+    totals, rows, batch, problem, counts = None, [], None, None, set()
     batches_left = iter(loader)
     for index in range(most):
         if stop is not None and index % STOP_CHECK_BATCHES == STOP_CHECK_BATCHES - 1 and stop():
@@ -72,6 +72,7 @@ def evaluate_on_every_rank(model: torch.nn.Module, loader, device: torch.device,
         sums, outputs = evaluated(batch)
         if outputs is not None:
             rows.append({name: value.detach().cpu() for name, value in outputs.items()})
+        counts = {name for name, value in sums.items() if is_count(value)}  # summed as float64, given back as int
         values = {name: torch.as_tensor(value, device=device).double() for name, value in sums.items()}
         if totals is not None and shapes_of(values) != shapes_of(totals):  # reported below, on every rank
             problem = problem or f"task.evaluation_sums returned {shapes_of(values)} after {shapes_of(totals)}"
@@ -79,6 +80,7 @@ def evaluate_on_every_rank(model: torch.nn.Module, loader, device: torch.device,
         totals = values if totals is None else {name: totals[name] + value for name, value in values.items()}
     model.train(was_training)
     sums = sum_across_ranks(totals, device, task.throughput_unit, problem)
+    sums = {name: int(value) if name in counts and isinstance(value, float) else value for name, value in sums.items()}
     outputs = {}
     if task.evaluation_outputs is not None:
         gathered = [row for rank_rows in all_gather_objects(rows) for row in rank_rows]  # rank by rank
@@ -96,6 +98,13 @@ def evaluate_on_every_rank(model: torch.nn.Module, loader, device: torch.device,
                          f"count of held-out {unit}, logged beside the metrics; add {unit!r}: sums[{unit!r}] to "
                          "the dict summarize returns in task.py")
     return results
+
+
+def is_count(value) -> bool:
+    """An int, or an integer tensor of one element (a count of samples, tokens, correct answers)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not value.is_floating_point() and not value.is_complex()
+    return isinstance(value, int)
 
 
 def shapes_of(values: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:

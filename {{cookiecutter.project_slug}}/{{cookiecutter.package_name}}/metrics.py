@@ -159,6 +159,7 @@ class TrainingMeter:
         self.metrics_log = metrics_log
         self.progress_bar = progress_bar
         self.task_names: list[str] = []  # the names of the task's step.log values, checked alike on every rank
+        self.last_lr = 0.0  # the last step's, for the run's last line
         self.reset()
 
     def reset(self) -> None:
@@ -203,9 +204,15 @@ class TrainingMeter:
         self.grad_norm_sum += whole(grad_norm).detach().float()
         self.steps += 1
         self.last_step_end = time.perf_counter()
+        self.last_lr = lr
         self.progress_bar.update()
         if progress.step % self.log_every == 0:
             self.log_and_reset(progress, lr)
+
+    def log_the_rest(self, progress: Any) -> None:
+        """At the run's end or a stop: the steps since the last line, if any (a collective)."""
+        if self.steps:
+            self.log_and_reset(progress, self.last_lr)
 
     def log_and_reset(self, progress: Any, lr: float) -> None:
         """Log the mean loss over ranks and micro-batches since the last line (a collective)."""
@@ -233,15 +240,16 @@ class TrainingMeter:
         rate = units / elapsed
         step, epoch = progress.step, progress.epoch
         row = {"loss": loss, **task_row, "grad_norm": self.grad_norm_sum.item() / max(self.steps, 1), "lr": lr,
-               "samples_seen": progress.samples_seen,
+               "samples_seen": progress.samples_seen, "steps": self.steps,  # the means' steps: fewer than
+               # --log-every in the first line after a resume and the last of a run
                f"{self.unit}_per_sec": rate, "step_time_s": elapsed / max(self.steps, 1),
                "data_wait_frac": self.data_wait / elapsed}
-        extra = ""
+        extra = f" | over {self.steps} steps" if self.steps != self.log_every else ""  # a mean of fewer, or more
         if self.device.type == "cuda":
             row["max_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         if self.peak_flops:
             row["mfu"] = self.flops_per_unit * rate / self.peak_flops
-            extra = f" | mfu {100 * row['mfu']:.1f}%"
+            extra += f" | mfu {100 * row['mfu']:.1f}%"
         if self.progress_bar.bar is not None:
             self.progress_bar.show(f"loss {loss:.4f}, {rate:.1f} {self.unit}/s")
         else:
@@ -266,7 +274,8 @@ class TrainingMeter:
 
     def log_evaluation(self, step: int, epoch: int, metrics: dict[str, float]) -> None:
         """One line and one row of whatever task.summarize returned, e.g. eval loss 0.51 | accuracy 0.83."""
-        shown = " | ".join(f"{name} {value:.4f}" for name, value in metrics.items() if name != self.unit)
+        shown = " | ".join(f"{name} {value if isinstance(value, int) else f'{value:.4f}'}"  # a count as itself
+                           for name, value in metrics.items() if name != self.unit)
         log.info("step %d | epoch %d | eval %s on %d held-out %s", step, epoch, shown,
                  metrics.get(self.unit, 0), self.unit)
         if self.metrics_log is not None:

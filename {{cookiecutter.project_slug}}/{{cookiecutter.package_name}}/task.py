@@ -309,7 +309,8 @@ def compute_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], ste
 def evaluation_sums(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Sums over one held-out batch, each a number or a tensor of any shape (per-class counts, a confusion
     matrix); they are added up exactly over batches and ranks, then passed to summarize (one-element sums as
-    floats, others as tensors). The throughput_unit key ("samples") counts what was evaluated."""
+    numbers, an int where the sum is an integer count; others as tensors). The throughput_unit key ("samples")
+    counts what was evaluated."""
     outputs, loss = outputs_and_loss(model, batch)
     targets = batch[1]
     return {"loss": loss * targets.numel(),
