@@ -130,9 +130,10 @@ def test_ranks_that_hold_different_models_stop_the_job_with_one_line(default_pro
     assert errors == [  # two ranks: no majority to say which one is right, so it is the code's to fix
         "error: the ranks hold different models after step 1: parameter 'inner.5.bias' differs (and 0 more of "
         f"14); 2 different models, held by rank 0 ({host}) | rank 1 ({host}). DDP did not all-reduce every "
-        "gradient, or something changed parameters outside the optimizer: a forward whose output DDP cannot look "
-        "into (a dataclass not registered with torch.utils._pytree), code that depends on the rank, or an "
-        "in-place update of a parameter; fix the model or loss in task.py"
+        "gradient, or something changed parameters outside the optimizer: the loss ran the plain model "
+        "(step.model) or a method other than forward (DDP syncs gradients only through forward), a forward whose "
+        "output DDP cannot look into (a dataclass not registered with torch.utils._pytree), code that depends on "
+        "the rank, or an in-place update of a parameter; fix the model or loss in task.py"
     ], result.stderr[-4000:]
     assert not list((tmp_path / "ckpt").glob("step-*.pt")), "no checkpoint of one rank's model is written"
 

@@ -158,7 +158,9 @@ class Step:
                     try:
                         loss = loss_of(self.networks, batch)
                     except AttributeError as error:  # a method of the model, asked of DDP's wrapper
-                        raise self.wrapper_lacks(error) or error
+                        if refused := self.wrapper_lacks(error):
+                            raise refused from None
+                        raise
                 self.amp.backward(loss / len(batches))
                 if called is not None:
                     self.check_called(*called)

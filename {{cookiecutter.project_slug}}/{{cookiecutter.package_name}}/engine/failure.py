@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from . import watchdog
 from .checkpoint.common import BACKGROUND_WRITE
 from .checkpoint.folder import CRASH_RECORDS, every_checkpoint, write_json
 from .collectives import all_reduce_int
@@ -48,7 +49,6 @@ from .distributed import DistEnv, PortTaken, as_file_name, publish_usage_error
 from .errors import UsageError
 from .processes import process_identity
 from .replicas import ReplicaCorrupted
-from . import watchdog
 from .watchdog import REPORTING_A_HANG, STEPPED
 
 # What gloo and NCCL raise on a rank whose peer died: the group is gone, and torchrun restarts it.
