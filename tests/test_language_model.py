@@ -5,6 +5,7 @@ is test_streamed_data.py's, on a streamed corpus; the map-style sampler's, the i
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 from helpers import (
     assert_project_tests_pass,
     flags,
+    metric_rows,
     readme_block,
     run,
     run_job,
@@ -62,12 +64,23 @@ def launch(project: Path, nproc: int, **options: object) -> subprocess.Completed
 @pytest.fixture(scope="module")
 def uninterrupted(lm_project, text_dir, tmp_path_factory) -> tuple[Path, str]:
     ckpt_dir = tmp_path_factory.mktemp("lm-uninterrupted")
-    result = launch(lm_project, 2, data="text", data_dir=text_dir, batch_size=4, max_steps=16, ckpt_dir=ckpt_dir)
+    # Evaluated every 6 steps, as a corpus of one long epoch is (nanoGPT's eval_interval), and the best kept.
+    result = launch(lm_project, 2, data="text", data_dir=text_dir, batch_size=4, max_steps=16, ckpt_dir=ckpt_dir,
+                    eval_every_steps=6, keep_best="loss:min", log_dir=ckpt_dir / "logs")
     return ckpt_dir, result.stderr
 
 
 def test_language_model_trains_on_a_text_file(uninterrupted):
-    _, output = uninterrupted
+    ckpt_dir, output = uninterrupted
+    # Steps 6 and 12 close intervals and are judged; step 16, the run's end in mid-interval, is logged only: its
+    # loss is the lowest, but --keep-best keeps step 12's.
+    evaluations = re.findall(r"step (\d+) \| epoch \d \| eval loss ([\d.]+) .* tokens \(closing (.*)\)", output)
+    assert [(int(step), closes) for step, _, closes in evaluations] == [
+        (6, "an interval"), (12, "an interval"), (16, "the run")], output
+    assert float(evaluations[2][1]) < float(evaluations[1][1]) < float(evaluations[0][1]), evaluations
+    assert json.loads((ckpt_dir / "best.json").read_text())["step"] == 12
+    assert [(row["step"], row["closes"]) for row in metric_rows(ckpt_dir / "logs") if row["kind"] == "eval"] == [
+        (6, "interval"), (12, "interval"), (16, "run")]
     losses = {int(step): float(loss) for step, loss in re.findall(r"step (\d+) \| epoch \d+ \| loss ([\d.]+)", output)}
     assert sorted(losses) == [4, 8, 12, 16], output
     assert losses[16] < 0.7 * losses[4], losses  # from ln(256) = 5.5 towards the corpus's entropy

@@ -28,7 +28,7 @@ from types import SimpleNamespace
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from {{ cookiecutter.package_name }}.data import OnDevice, build_loaders
+from {{ cookiecutter.package_name }}.data import OnDevice, build_loaders, training_steps
 from {{ cookiecutter.package_name }}.engine.checkpoint import build_checkpointer, check_checkpoint_dir
 from {{ cookiecutter.package_name }}.engine.distributed import (
     DistEnv,
@@ -49,7 +49,7 @@ from {{ cookiecutter.package_name }}.engine.failure import (
 from {{ cookiecutter.package_name }}.engine.replicas import check_replicas_match
 from {{ cookiecutter.package_name }}.engine.reproducibility import seed_and_choose_kernels, seed_per_rank
 from {{ cookiecutter.package_name }}.engine.watchdog import StopAgreement, Watchdog, exit_after_sigterm
-from {{ cookiecutter.package_name }}.evaluation import evaluate
+from {{ cookiecutter.package_name }}.evaluation import evaluate, evaluation_due
 from {{ cookiecutter.package_name }}.metrics import build_meter
 from {{ cookiecutter.package_name }}.optim import (
     LearningRateSchedule,
@@ -84,7 +84,11 @@ class TrainingProgress:
     epoch: int = 0
     samples_in_epoch: int = 0  # global samples (all ranks) of this epoch already trained on
     samples_seen: int = 0  # global samples trained on in all, what the lr schedule follows
-    evaluation_due: bool = False  # an epoch's or the run's end, still to be evaluated (a SIGTERM cut it short)
+    evaluation_due: str = ""  # what the evaluation still to run closes: "interval", "epoch" or "run"
+
+    def __post_init__(self) -> None:  # a checkpoint from before evaluations said what they close: a bool
+        if isinstance(self.evaluation_due, bool):
+            self.evaluation_due = "epoch" if self.evaluation_due else ""
 
     def advance(self, samples: int) -> None:
         self.step += 1
@@ -102,10 +106,9 @@ class TrainingProgress:
 {%- endif %}
         return self.epoch >= epochs or (max_steps is not None and self.step >= max_steps)
 
-    def next_epoch(self, eval_every: int) -> None:
+    def next_epoch(self) -> None:
         self.epoch += 1
         self.samples_in_epoch = 0
-        self.evaluation_due = eval_every > 0 and self.epoch % eval_every == 0
 
 
 def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device, store: StoreAddress | None{% if cookiecutter.fault_tolerance == "torchft" %},
@@ -177,7 +180,6 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
                                                          "replica_groups"{% endif %}})
     step = Step(networks, model, optimizers, amp, options, nonfinite, update, task_state)  # training_step's
     optimizer = step.optimizer  # every optimizer as one: scaled by the lr schedule, saved by checkpoints
-    step_batches = []  # the micro-batches of the next step
     # Over samples seen, not steps: a job resumed on another number of ranks continues the same curve.
     lr_schedule = LearningRateSchedule(optimizer, options, train_loader.samples_per_epoch,
                                        train_loader.samples_per_step)  # all ranks' (with Task.batches, a mean)
@@ -208,7 +210,8 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     profiler.before_step(progress.step + 1)
 {%- endif %}
     first_step = progress.step + 1  # of this run
-    if options.eval_every:  # one held-out batch now, so a bug in the evaluation path shows before training
+    if options.eval_every or options.eval_every_steps:  # one held-out batch now: a bug in the evaluation path
+        # shows before training
         with watchdog.slow_phase("checking evaluation on one batch"):
             selection.check_metric(evaluate(model, eval_loader, device, amp, task, max_batches=1))
 {%- if cookiecutter.use_streaming == "yes" %}
@@ -223,8 +226,10 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     work_every = task.work_every(options)  # 0: the task has no work for rank 0 alone
     stop_requested = False
 
+    # Each step's micro-batches, epoch after epoch from where progress stands; None where an epoch has ended.
+    steps = meter.timed(training_steps(train_loader, progress, options.grad_accum))
     while True:
-        # The one evaluation: after every --eval-every epochs and at the run's end; or one a SIGTERM cut short.
+        # Before the next step: the evaluation due (of an interval, an epoch, the run, or one a SIGTERM cut short).
         if progress.evaluation_due and not stop_requested:
             with watchdog.slow_phase("evaluating"), task.evaluation_weights(model, task_state):
                 results = evaluate(model, eval_loader, device, amp, task,
@@ -232,34 +237,34 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
             if results is None:  # SIGTERM reached some rank: saved as still due, evaluated on resume
                 stop_requested = True
             else:
-                meter.log_evaluation(progress.step, progress.epoch, results)
-                progress.evaluation_due = False
-                if selection.judge(results, progress.step, stop.decided_by_rank_0):  # the best so far: saved
+                closes, progress.evaluation_due = progress.evaluation_due, ""
+                meter.log_evaluation(progress.step, progress.epoch, results, closes)
+                # --keep-best judges the evaluations --eval-every(-steps) asks for: not the run's in mid-interval.
+                if closes != "run" and selection.judge(results, progress.step, stop.decided_by_rank_0):
                     with watchdog.slow_phase("saving the best checkpoint"):
-                        checkpointer.save(progress, wait=True)
+                        checkpointer.save(progress, wait=True)  # the best so far: saved now, and kept
                     selection.write_record()
         if stop_requested or progress.finished(options.epochs, options.max_steps{% if cookiecutter.use_streaming == "yes" %}, max_samples{% endif %}) \
                 or selection.out_of_patience():
             break  # the loop's one exit
-        train_loader.start_epoch(progress.epoch, progress.samples_in_epoch)  # mid-epoch: at the next unseen sample
-        for micro_step, batch in enumerate(meter.timed(train_loader), start=1):
-            step_batches.append(batch)  # whatever task.collate made, moved to the device as the step reads it
-            if micro_step % options.grad_accum:
-                continue  # --grad-accum: more micro-batches to this step
+        batches = next(steps)  # whatever task.collate made, moved to the device as the step reads it
+        if batches is None:  # the epoch ran to its end
+            progress.next_epoch()
+            stop_requested = stop.agreed_now(watchdog.sigterm_received)  # not after a long evaluation
+        else:
             samples = train_loader.samples_in_step(progress.samples_in_epoch)  # every rank's, this step
             lr = lr_schedule.set_lr(progress.samples_seen + samples / 2)  # at the step's middle
-            batches = OnDevice(step_batches, device, channels_last)
 {%- if cookiecutter.fault_tolerance == "torchft" %}
             if groups is not None and groups.start_step(progress, options.checkpoint.ckpt_every):
-                step_batches = []  # healed: another group's progress, and the data position it names
-                break
+                steps = meter.timed(training_steps(train_loader, progress, options.grad_accum))  # healed: another
+                continue  # group's progress, and the data position it names
 {%- endif %}
-            loss, grad_norm = step.run(training_step, batches, number=progress.step + 1)
+            loss, grad_norm = step.run(training_step, OnDevice(batches, device, channels_last),
+                                       number=progress.step + 1)
             amp.scaler.update()  # once a step, after every optimizer stepped: the fp16 scale for the next
             task.after_step(step)  # the task's state after the update: an EMA, a momentum encoder
-            meter.update(loss, sum(task.units_in_batch(micro_batch) for micro_batch in step_batches),
+            meter.update(loss, sum(task.units_in_batch(micro_batch) for micro_batch in batches),
                          step.logged_means())  # with what the task gave step.log(...), after_step's included
-            step_batches = []
             progress.advance(samples)
             meter.end_step(progress, lr, grad_norm)
 {%- if cookiecutter.use_profiling == "yes" %}
@@ -272,21 +277,17 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
             if progress.step == first_step and check_replicas_match(model, progress.step, step.without_gradient):
                 log.info("step %d: every rank holds the same parameters", progress.step)  # again at each save
             stop_requested = stop.agreed(watchdog.sigterm_received)  # SIGTERM reached some rank: same step on all
-            if stop_requested or progress.finished(options.epochs, options.max_steps{% if cookiecutter.use_streaming == "yes" %}, max_samples{% endif %}):
-                break  # saved below
-            if progress.step % options.checkpoint.ckpt_every == 0:
-                with watchdog.slow_phase("saving a checkpoint"):
-                    checkpointer.save(progress)
-        else:  # the epoch ran to its end
-            progress.next_epoch(options.eval_every)  # its evaluation is due, every --eval-every epochs
-            stop_requested = stop.agreed_now(watchdog.sigterm_received)  # not after a long evaluation
+        # After each step and each epoch's end, what is due: an evaluation, a checkpoint (before that evaluation:
+        # one that fails loses no training).
         finished = progress.finished(options.epochs, options.max_steps{% if cookiecutter.use_streaming == "yes" %}, max_samples{% endif %})
-        if finished or stop_requested:
-            progress.evaluation_due |= finished and options.eval_every > 0  # the run's end, mid-epoch or not
+        progress.evaluation_due = progress.evaluation_due or evaluation_due(
+            options, progress, epoch_ended=batches is None, finished=finished)
+        if stop_requested or finished:
+            meter.log_the_rest(progress)  # the steps since the last line
+        if stop_requested or finished or batches is not None and progress.step % options.checkpoint.ckpt_every == 0:
             with watchdog.slow_phase("saving a checkpoint"):
-                checkpointer.save(progress)  # before that evaluation: one that fails loses no training
+                checkpointer.save(progress)
 
-    meter.log_the_rest(progress)  # the steps since the last line, also of a stop
     # meter.close() inside the phase, also on the SIGTERM exit: the tracker's last rows are written within its limit.
 {%- if cookiecutter.use_profiling == "yes" %}
     profiler.close()  # a run that ended inside the profiled steps still writes their trace

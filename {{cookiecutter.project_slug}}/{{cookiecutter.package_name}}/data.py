@@ -28,6 +28,21 @@ from .engine.streaming import StreamedDataset, StreamLoader, require_max_steps
 from .options import TrainOptions
 
 
+def training_steps(loader: DataLoader, progress: Any, grad_accum: int) -> Iterator[list | None]:
+    """Each optimizer step's micro-batches (--grad-accum of them) from where `progress` (train.py's TrainingProgress)
+    stands, epoch after epoch: None where an epoch has ended, after its last whole step; the next one starts at the
+    epoch and sample that `progress` holds then (mid-epoch on resume, at the next unseen sample)."""
+    while True:
+        loader.start_epoch(progress.epoch, progress.samples_in_epoch)
+        micro_batches = []
+        for batch in loader:
+            micro_batches.append(batch)
+            if len(micro_batches) == grad_accum:
+                yield micro_batches
+                micro_batches = []
+        yield None
+
+
 class SeededSampleDataset(Dataset):
     """Makes a sample's random augmentation a function of (seed, epoch, index) alone.
 

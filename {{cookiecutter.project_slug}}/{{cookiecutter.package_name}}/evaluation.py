@@ -100,6 +100,18 @@ def evaluate_on_every_rank(model: torch.nn.Module, loader, device: torch.device,
     return results
 
 
+def evaluation_due(options, progress, epoch_ended: bool, finished: bool) -> str:
+    """What an evaluation after this step (or this epoch's end) closes, or "" where none is due: "interval" every
+    --eval-every-steps steps; else "epoch" every --eval-every epochs; "run" at the run's end where it closes
+    neither (--max-steps in mid-epoch): logged, but not judged by --keep-best and early stopping."""
+    by_steps, by_epochs = options.eval_every_steps, options.eval_every
+    if by_steps and not epoch_ended and progress.step % by_steps == 0:
+        return "interval"
+    if by_epochs and not by_steps and epoch_ended and (progress.epoch % by_epochs == 0 or finished):
+        return "epoch"
+    return "run" if finished and (by_steps or by_epochs) else ""
+
+
 def is_count(value) -> bool:
     """An int, or an integer tensor of one element (a count of samples, tokens, correct answers)."""
     if isinstance(value, torch.Tensor):

@@ -86,9 +86,11 @@ class MetricsLog:
                 # purge_step: events a previous attempt wrote after the checkpoint we resumed from are hidden.
                 self.tensorboard = SummaryWriter(options.log_dir, purge_step=resumed_step or None)
 
-    def write(self, kind: str, step: int, values: dict[str, float]) -> None:
+    def write(self, kind: str, step: int, values: dict[str, float], **labels: str) -> None:
+        """A row of numbers; `labels` (what an evaluation closes) go to metrics.jsonl alone."""
         if self.jsonl is not None:
-            self.jsonl.write(json.dumps({"kind": kind, "step": step, **values, "restart": self.restart}) + "\n")
+            self.jsonl.write(json.dumps({"kind": kind, "step": step, **values, **labels, "restart": self.restart})
+                             + "\n")
         if self.tensorboard is not None:
             for name, value in values.items():
                 self.tensorboard.add_scalar(f"{kind}/{name}", value, step)
@@ -272,14 +274,16 @@ class TrainingMeter:
             self.last_step_end = time.perf_counter()
             self.paused += self.last_step_end - started
 
-    def log_evaluation(self, step: int, epoch: int, metrics: dict[str, float]) -> None:
-        """One line and one row of whatever task.summarize returned, e.g. eval loss 0.51 | accuracy 0.83."""
+    def log_evaluation(self, step: int, epoch: int, metrics: dict[str, float], closes: str) -> None:
+        """One line and one row of whatever task.summarize returned, e.g. eval loss 0.51 | accuracy 0.83, and what
+        the evaluation closes (an interval of --eval-every-steps, an epoch, the run in mid-interval)."""
         shown = " | ".join(f"{name} {value if isinstance(value, int) else f'{value:.4f}'}"  # a count as itself
                            for name, value in metrics.items() if name != self.unit)
-        log.info("step %d | epoch %d | eval %s on %d held-out %s", step, epoch, shown,
-                 metrics.get(self.unit, 0), self.unit)
+        log.info("step %d | epoch %d | eval %s on %d held-out %s (closing %s)", step, epoch, shown,
+                 metrics.get(self.unit, 0), self.unit, {"interval": "an interval", "epoch": "an epoch",
+                                                        "run": "the run"}.get(closes, closes))
         if self.metrics_log is not None:
-            self.metrics_log.write("eval", step, metrics)
+            self.metrics_log.write("eval", step, metrics, closes=closes)
         self.paused += time.perf_counter() - max(self.last_step_end, self.started)
 
     def close(self) -> None:

@@ -60,8 +60,9 @@ class SelectionOptions:
 
     keep_best: str | None = option(
         None, "METRIC:min or METRIC:max (loss:min, accuracy:max: a metric the evaluation reports): after each "
-        "epoch's evaluation (--eval-every), and the run's last one (at --epochs or --max-steps), that beats every "
-        "one before, save a checkpoint, which retention never deletes; CKPT_DIR/best.json names it"
+        "evaluation that closes an epoch (--eval-every) or an interval (--eval-every-steps) and beats every one "
+        "before, save a checkpoint, which retention never deletes; CKPT_DIR/best.json names it (the run's last "
+        "evaluation, where --max-steps ends it in mid-interval, is logged, not judged)"
 {%- if cookiecutter.use_export == "yes" %}
         " and `export --best CKPT_DIR` writes it"
 {%- endif %})
@@ -136,6 +137,9 @@ class TrainOptions:
     num_workers: int = option(2, "DataLoader worker processes per rank")
     eval_every: int = option(1, "evaluate on the held-out split every this many epochs and when training stops "
                                 "(0: never)")
+    eval_every_steps: int = option(
+        0, "evaluate every this many optimizer steps instead of by epochs (and when training stops); 0: by "
+        "--eval-every's epochs. Counts steps from the run's start, so a resume keeps the same evaluation steps")
     activation_checkpointing: str = option(
         "none", "none, full, or every-N: keep only the inputs of every (or every Nth) block of the model (the "
         "blocks FSDP2 shards) in the forward pass and recompute the rest in the backward pass: less memory for "
@@ -175,6 +179,11 @@ class TrainOptions:
             raise UsageError(f"--max-steps must be >= 1 (or left out for no limit), got {self.max_steps}")
         if self.eval_every < 0:
             raise UsageError(f"--eval-every must be >= 0 (0: never), got {self.eval_every}")
+        if self.eval_every_steps < 0:
+            raise UsageError(f"--eval-every-steps must be >= 0 (0: evaluate by epochs), got {self.eval_every_steps}")
+        if self.eval_every_steps and self.eval_every > 1:
+            raise UsageError(f"--eval-every {self.eval_every} (epochs) and --eval-every-steps {self.eval_every_steps} "
+                             "both set an interval; give one of them")
         if self.num_workers < 0:
             raise UsageError(f"--num-workers must be >= 0, got {self.num_workers}")
         if not self.lr > 0:
@@ -194,9 +203,9 @@ class TrainOptions:
         if selection.keep_best is not None and not re.fullmatch(r"\S+:(min|max)", selection.keep_best):
             raise UsageError(f"--keep-best must be METRIC:min or METRIC:max (e.g. loss:min, accuracy:max), got "
                              f"{selection.keep_best!r}")
-        if selection.keep_best is not None and not self.eval_every:
+        if selection.keep_best is not None and not (self.eval_every or self.eval_every_steps):
             raise UsageError("--keep-best judges evaluations, which --eval-every 0 turns off; evaluate every epoch "
-                             "or every few (--eval-every N)")
+                             "or every few (--eval-every N), or every N steps (--eval-every-steps N)")
         if selection.early_stop_patience is not None and (
                 selection.keep_best is None or selection.early_stop_patience < 1):
             raise UsageError("--early-stop-patience needs --keep-best METRIC:min|max (the metric it waits on) and a "

@@ -343,7 +343,7 @@ def check_options(options: TrainOptions) -> None:
                               ("--eval-files", options.task.eval_files)):
             if pattern:
                 check_first_records(expand_files(pattern, flag, SHARDS), field="cls")
-        if not options.task.eval_files and options.eval_every:
+        if not options.task.eval_files and (options.eval_every or options.eval_every_steps):
             raise UsageError("--data shards evaluates on --eval-files (small held-out shards, read whole); give "
                              "them, or --eval-every 0")
 {%- endif %}
@@ -673,7 +673,7 @@ def check_options(options: TrainOptions) -> None:
         check_first_records(expand_files(task.data_files or "(none given)", "--data-files", TEXT_FILES))
         if task.eval_files:
             check_first_records(expand_files(task.eval_files, "--eval-files", TEXT_FILES))
-        elif options.eval_every:
+        elif options.eval_every or options.eval_every_steps:
             raise UsageError("--data stream evaluates on --eval-files (a small held-out set, read whole); give "
                              "them, or --eval-every 0")
         if task.tokenizer:
@@ -701,6 +701,6 @@ TASK = Task(
     # tests still pass after you change this file.
     smoke_test_args=["--data", "fake", "--fake-samples", "256", "--block-size", "32", "--n-layer", "2",
                      "--n-head", "2", "--n-embd", "64", "--batch-size", "8", "--num-workers", "0", "--device",
-                     "cpu", "--lr", "3e-3"],
+                     "cpu", "--lr", "3e-3", "--eval-every-steps", "8"],
 )
 {%- endif %}
