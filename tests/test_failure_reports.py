@@ -244,6 +244,6 @@ def test_a_hang_that_recurs_at_the_same_step_is_named_with_its_flag_once_and_not
     assert (tmp_path / "stop-requeue").read_text() == hangs[1] + "\n"
     # Two attempts trained; the next ones ended at once, and the log kept a few frames of each stack.
     assert output.count("world_size=2") == 2 and len(re.findall(r"failed \(exitcode", output)) >= 3, output[-4000:]
-    [stacks] = list((project / "hang-reports").iterdir())
-    assert "time.sleep(3600)" in (stacks / "stack-rank-0.txt").read_text()
+    run_id = re.search(r"run_id=(\S+)", output)[1]
+    assert "time.sleep(3600)" in (project / "hang-reports" / run_id / "stack-rank-0.txt").read_text()
     assert len(output.splitlines()) < 150, output

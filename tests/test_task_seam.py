@@ -299,7 +299,8 @@ def test_evaluation_sums_any_shape_and_a_collective_in_it_does_not_hang(default_
     assert result.returncode == 0, result.stderr[-3000:]
     [line] = [line for line in result.stderr.splitlines() if "eval loss" in line]
     metrics = dict(re.findall(r"(\w+) ([\d.]+)", line.split("eval ", 1)[1]))
-    assert line.endswith("on 129 held-out samples") and float(metrics["confusion_total"]) == 129, line
+    assert line.endswith("on 129 held-out samples (closing the run)"), line
+    assert float(metrics["confusion_total"]) == 129, line
     assert metrics["confusion_accuracy"] == metrics["accuracy"], line
 
 
@@ -627,7 +628,7 @@ def test_a_contrastive_loss_logs_its_temperature_keeps_its_clamp_and_says_what_i
     assert resize.returncode == 0 and line in resize.stderr, resize.stderr[-4000:]
 
 
-def test_the_work_before_an_evaluation_is_left_out_of_the_throughput_once(baked_module, monkeypatch):
+def test_the_work_before_an_evaluation_is_left_out_of_the_throughput_once(baked_module, monkeypatch, caplog):
     import torch
 
     metrics = baked_module("metrics")
@@ -636,8 +637,12 @@ def test_the_work_before_an_evaluation_is_left_out_of_the_throughput_once(baked_
     meter = metrics.TrainingMeter(torch.device("cpu"), 10, None, None)
     with meter.excluded():
         pass
-    meter.log_evaluation(10, 1, {"loss": 1.0, "samples": 4})
+    with caplog.at_level("INFO"):
+        meter.log_evaluation(10, 1, {"loss": 1.0, "correct": 3, "samples": 4}, "epoch")
     assert meter.paused == 25.0  # 20 s of work, then 5 s of evaluation: the work once, not again in the evaluation
+    # A count as itself, and what the evaluation closes.
+    assert caplog.messages == ["step 10 | epoch 1 | eval loss 1.0000 | correct 3 on 4 held-out samples (closing an "
+                               "epoch)"]
 
 
 def test_what_a_coupled_batch_becomes_is_said_and_step_log_takes_one_number_per_name(baked_module, caplog):

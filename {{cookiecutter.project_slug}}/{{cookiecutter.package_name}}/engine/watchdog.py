@@ -434,14 +434,12 @@ def share_hang_report(store: dist.Store, rank: int, world_size: int, report: dic
             store.wait([f"{HANG_REPORTS}read"], timedelta(seconds=window + 5))
     end_stopped_ranks_on_this_machine(store, rank, host, ranks_in(store.get(f"{HANG_REPORTS}reporters/{host}")),
                                       stopped_since=report.get("stopped_since", time.time()))
-    done = store.add(f"{HANG_REPORTS}done", 1)
-    # Rank 0's process holds the store: it ends last, so that no reporter's request meets a closed store (which
-    # c10d logs with dozens of C++ frames per request).
-    deadline = time.monotonic() + window + 5
-    while rank == 0 and done < store.add(f"{HANG_REPORTS}count", 0) and time.monotonic() < deadline:
-        time.sleep(0.05)
-        done = store.add(f"{HANG_REPORTS}done", 0)
-    return summary
+    if rank == 0:  # its process holds the store: it ends a second after the others were told the summary was
+        time.sleep(STORE_HOST_LINGERS)  # read, whose last requests would otherwise meet a closed store (which
+    return summary  # c10d logs with dozens of C++ frames per request)
+
+
+STORE_HOST_LINGERS = 1.0  # seconds: the others' last requests (their machine's lists) take milliseconds
 
 
 def slow_phases_of(store: dist.Store, ranks: list[int]) -> dict[int, dict]:
