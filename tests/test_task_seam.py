@@ -816,10 +816,63 @@ def test_a_count_the_evaluation_reads_missing_from_the_tasks_dicts_is_one_line_n
 def test_a_max_steps_past_the_epochs_says_where_the_run_ends(baked_module, caplog):
     optim = baked_module("optim")
     with caplog.at_level("INFO"):
-        assert optim.planned_steps(SimpleNamespace(epochs=10, max_steps=300), 16) == 160
-        assert optim.planned_steps(SimpleNamespace(epochs=10, max_steps=100), 16) == 100
-    assert caplog.messages == ["--max-steps 300 is past --epochs 10 (160 steps of 16 at this world size): the run "
+        assert optim.planned_steps(SimpleNamespace(epochs=10, max_steps=300), 160) == 160
+        assert optim.planned_steps(SimpleNamespace(epochs=10, max_steps=100), 160) == 100
+    assert caplog.messages == ["--max-steps 300 is past --epochs 10 (160 steps at this world size): the run "
                                "ends at step 160; raise --epochs for more (the lr schedule spans them)"]
+
+
+def test_epochs_of_different_sizes_are_planned_each_by_its_own_batches(baked_module, caplog):
+    # A curriculum whose epochs hold 16, 25 and 34 batches of 4 samples: the plan (the progress bar's steps, the lr
+    # schedule's span and its 5 % warmup) counts each epoch's own, not epoch 0's three times; on 2 ranks the odd
+    # epoch's last batch fills no step, and that is said.
+    import torch
+
+    data = baked_module("data")
+    sizes = [16, 25, 34]
+    task_options = SimpleNamespace(max_length=64)
+
+    def loader(world_size: int) -> object:
+        sampler = data.TaskBatches(lambda dataset, options, epoch: [[4 * i + j for j in range(4)]
+                                                                     for i in range(sizes[epoch])],
+                                   None, SimpleNamespace(grad_accum=1, task=task_options),
+                                   SimpleNamespace(rank=0, world_size=world_size), torch.device("cpu"))
+        return SimpleNamespace(batch_sampler=sampler)
+    two, one = loader(2), loader(1)
+    with caplog.at_level("INFO"):
+        assert data.TaskBatchLoader.samples_in_epochs(two, 3) == 4 * (16 + 25 + 34)  # the same at any world size
+        assert data.TaskBatchLoader.steps_in_epochs(two, 3) == 8 + 12 + 17
+        assert data.TaskBatchLoader.steps_in_epochs(one, 3) == 75
+    assert caplog.messages == ["Task.batches: 1 batch(es) (4 samples) at the ends of epochs 0-2 fill no whole step of "
+                               "2 ranks x 1 micro-batches and are not trained (make each epoch's batch count a "
+                               "multiple of 2 to train them all)"]
+
+
+def test_a_dataset_with_set_epoch_is_told_each_samples_epoch_in_the_workers_that_load_it(baked_module):
+    # A curriculum or an augmentation's strength by epoch: the sampler's keys carry the epoch to the worker that
+    # loads the sample, persistent or not, with no module global and nothing stale.
+    from torch.utils.data import DataLoader, Dataset
+
+    data = baked_module("data")
+
+    class EpochAware(Dataset):
+        epoch = -1
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epoch = epoch
+
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, index: int) -> tuple[int, int]:
+            return self.epoch, index
+
+    dataset = data.SeededSampleDataset(EpochAware(), seed=0)
+    keys = [[(0, 1), (0, 2)]]
+    loader = DataLoader(dataset, batch_sampler=keys, num_workers=1, persistent_workers=True)
+    assert [batch[0].tolist() for batch in loader] == [[0, 0]]
+    keys[0] = [(3, 1), (3, 2)]  # the next epoch, in the same (persistent) worker
+    assert [batch[0].tolist() for batch in loader] == [[3, 3]]
 
 
 def test_rank_0_work_every_names_a_number_or_an_int_task_option(baked_module):

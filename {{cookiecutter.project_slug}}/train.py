@@ -62,11 +62,11 @@ from {{ cookiecutter.package_name }}.optim import (
 )
 from {{ cookiecutter.package_name }}.options import TrainOptions, parse_options, recorded
 from {{ cookiecutter.package_name }}.parallel import uses_channels_last, wrap_networks
-{% if cookiecutter.fault_tolerance == "torchft" -%}
-from {{ cookiecutter.package_name }}.replica_groups import ReplicaGroups
-{% endif -%}
 {% if cookiecutter.use_profiling == "yes" -%}
 from {{ cookiecutter.package_name }}.profiling import StepProfiler, record_memory_history
+{% endif -%}
+{% if cookiecutter.fault_tolerance == "torchft" -%}
+from {{ cookiecutter.package_name }}.replica_groups import ReplicaGroups
 {% endif -%}
 from {{ cookiecutter.package_name }}.selection import ModelSelection
 from {{ cookiecutter.package_name }}.spec import Task
@@ -181,7 +181,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     step = Step(networks, model, optimizers, amp, options, nonfinite, update, task_state)  # training_step's
     optimizer = step.optimizer  # every optimizer as one: scaled by the lr schedule, saved by checkpoints
     # Over samples seen, not steps: a job resumed on another number of ranks continues the same curve.
-    lr_schedule = LearningRateSchedule(optimizer, options, train_loader.samples_per_epoch,
+    lr_schedule = LearningRateSchedule(optimizer, options, train_loader.samples_in_epochs(options.epochs),
                                        train_loader.samples_per_step)  # all ranks' (with Task.batches, a mean)
     # Where the training set stands beyond a count of samples ({% if cookiecutter.use_streaming == "yes" %}a stream's position, {% endif %}the task's batches): saved.
     position = {train_loader.position_entry: train_loader} if train_loader.position_entry else {}
@@ -215,10 +215,10 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
         with watchdog.slow_phase("checking evaluation on one batch"):
             selection.check_metric(evaluate(model, eval_loader, device, amp, task, max_batches=1))
 {%- if cookiecutter.use_streaming == "yes" %}
-    planned = planned_steps(options, train_loader.steps_per_epoch,
+    planned = planned_steps(options, train_loader.steps_in_epochs(options.epochs),
                             lr_schedule.stream_steps(progress.step, progress.samples_seen))
 {%- else %}
-    planned = planned_steps(options, train_loader.steps_per_epoch)
+    planned = planned_steps(options, train_loader.steps_in_epochs(options.epochs))
 {%- endif %}
     meter = build_meter(options, env, device, planned, done_steps=progress.step, unit=task.throughput_unit,
                         flops_per_unit=task.model_flops_per_unit(model, options),

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import hashlib
 import itertools
+import logging
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -26,6 +27,8 @@ from .engine.processes import detach_from_job_signals, start_forkserver_deaf_to_
 from .engine.streaming import StreamedDataset, StreamLoader, require_max_steps
 {%- endif %}
 from .options import TrainOptions
+
+log = logging.getLogger(__name__)
 
 
 def training_steps(loader: DataLoader, progress: Any, grad_accum: int) -> Iterator[list | None]:
@@ -64,6 +67,8 @@ class SeededSampleDataset(Dataset):
             # Not torch.manual_seed, which also seeds (lazily, expensively) every GPU backend: only the CPU
             # generator matters here.
             torch.default_generator.manual_seed(((self.seed * 1_000_003 + epoch) * 1_000_033 + index) % 2**63)
+            if hasattr(self.dataset, "set_epoch"):  # told here, in the process that loads the sample: a worker,
+                self.dataset.set_epoch(epoch)  # persistent or not, never holds a stale epoch
             return self.dataset[index]
 
 
@@ -129,13 +134,12 @@ class ShardedLoader(DataLoader):
         """Mid-epoch resume: skip exactly the samples this epoch has already trained on, on any world size."""
         self.sampler.set_epoch(epoch, start_sample=samples_in_epoch)
 
-    @property
-    def samples_per_epoch(self) -> int:  # all ranks together: what the lr schedule spans, times --epochs
-        return len(self.dataset)
+    def samples_in_epochs(self, epochs: int) -> int:  # all ranks together: what the lr schedule spans
+        return epochs * len(self.dataset)
 
-    @property
-    def steps_per_epoch(self) -> int:
-        return len(self) * self.batch_size // self.sampler.rank_samples_per_step  # batches / --grad-accum
+    def steps_in_epochs(self, epochs: int) -> int:  # at this world size, from the start of epoch 0
+        self.sampler.set_epoch(0)
+        return epochs * (len(self) * self.batch_size // self.sampler.rank_samples_per_step)  # batches / --grad-accum
 
     @property
     def samples_per_step(self) -> int:  # all ranks together
@@ -248,17 +252,32 @@ class TaskBatchLoader(DataLoader):
     def start_epoch(self, epoch: int, samples_in_epoch: int) -> None:
         self.batch_sampler.set_epoch(epoch, samples_in_epoch)
 
-    @property
-    def samples_per_epoch(self) -> int:  # what its batches hold: the lr schedule spans this times --epochs
-        return sum(map(len, self.batch_sampler.batches(0)))
+    def samples_in_epochs(self, epochs: int) -> int:
+        """What the batches of `epochs` epochs hold, each epoch's own (a curriculum's grow): the lr schedule spans
+        them all, also the untrained tail of an epoch (steps_in_epochs), so that it is the same at any world size."""
+        return sum(sum(map(len, self.batch_sampler.batches(epoch))) for epoch in range(epochs))
+
+    def steps_in_epochs(self, epochs: int) -> int:
+        """The steps of `epochs` epochs at this world size, each epoch's own. An epoch ends where a whole step no
+        longer fits: what is left of it is said once, in one line, and not trained."""
+        per_step = self.batch_sampler.world_size * self.batch_sampler.grad_accum
+        steps, tail_batches, tail_samples = 0, 0, 0
+        for epoch in range(epochs):
+            batches = self.batch_sampler.batches(epoch)
+            steps += len(batches) // per_step
+            tail = batches[len(batches) // per_step * per_step:]
+            tail_batches, tail_samples = tail_batches + len(tail), tail_samples + sum(map(len, tail))
+        if tail_batches:
+            log.info("Task.batches: %d batch(es) (%d samples) at the ends of epochs 0-%d fill no whole step of %d "
+                     "ranks x %d micro-batches and are not trained (make each epoch's batch count a multiple of %d "
+                     "to train them all)", tail_batches, tail_samples, epochs - 1, self.batch_sampler.world_size,
+                     self.batch_sampler.grad_accum, per_step)
+        return steps
 
     @property
-    def steps_per_epoch(self) -> int:
-        return len(self.batch_sampler.batches(0)) // (self.batch_sampler.world_size * self.batch_sampler.grad_accum)
-
-    @property
-    def samples_per_step(self) -> int:  # a mean: what --warmup-steps counts in
-        return self.samples_per_epoch // max(self.steps_per_epoch, 1)
+    def samples_per_step(self) -> int:  # a mean over epoch 0: what --warmup-steps counts in
+        batches, per_step = self.batch_sampler.batches(0), self.batch_sampler.world_size * self.batch_sampler.grad_accum
+        return sum(map(len, batches)) // max(len(batches) // per_step, 1)
 
     def samples_in_step(self, samples_in_epoch: int) -> int:
         return self.batch_sampler.samples_in_step(samples_in_epoch)

@@ -399,20 +399,20 @@ def check_coupled_batch(couples: str | None, keep: bool, model: torch.nn.Module,
     log.warning("%s", line)
 
 {% if cookiecutter.use_streaming == "yes" %}
-def planned_steps(options: TrainOptions, steps_per_epoch: int | None, stream_steps: int | None = None) -> int:
+def planned_steps(options: TrainOptions, steps_in_epochs: int | None, stream_steps: int | None = None) -> int:
     """Optimizer steps this run will take at this world size: --epochs worth, or --max-steps if that comes first
     (a streamed training set's epoch has no length known before it is read: `stream_steps`, the schedule's)."""
-    if steps_per_epoch is None:
+    if steps_in_epochs is None:
         return stream_steps or options.max_steps
 {%- else %}
-def planned_steps(options: TrainOptions, steps_per_epoch: int) -> int:
+def planned_steps(options: TrainOptions, steps_in_epochs: int) -> int:
     """Optimizer steps this run will take at this world size: --epochs worth, or --max-steps if that comes first."""
 {%- endif %}
-    total_steps = options.epochs * steps_per_epoch
+    total_steps = steps_in_epochs  # --epochs' steps at this world size, each epoch's own
     if options.max_steps is not None and options.max_steps > total_steps:
-        log.info("--max-steps %d is past --epochs %d (%d steps of %d at this world size): the run ends at step %d; "
+        log.info("--max-steps %d is past --epochs %d (%d steps at this world size): the run ends at step %d; "
                  "raise --epochs for more (the lr schedule spans them)", options.max_steps, options.epochs,
-                 total_steps, steps_per_epoch, total_steps)
+                 total_steps, total_steps)
     return total_steps if options.max_steps is None else min(total_steps, options.max_steps)
 
 
@@ -441,7 +441,7 @@ class LearningRateSchedule:
     The peak lr is not restored: it is what task.py's optimizer was built with in this run (--lr)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, options: TrainOptions,
-                 samples_per_epoch: int{% if cookiecutter.use_streaming == "yes" %} | None{% endif %}, samples_per_step: int):
+                 samples_in_epochs: int{% if cookiecutter.use_streaming == "yes" %} | None{% endif %}, samples_per_step: int):
         self.optimizer = optimizer
         self.peaks = [group["lr"] for group in optimizer.param_groups]
         self.logged_peak = options.lr  # the lr logged is --lr on the schedule, whatever each group's own is
@@ -451,12 +451,12 @@ class LearningRateSchedule:
                      min(self.peaks), max(self.peaks))
         self.decay = options.lr_schedule
 {%- if cookiecutter.use_streaming == "yes" %}
-        self.spans_steps = None if samples_per_epoch is not None else options.max_steps
+        self.spans_steps = None if samples_in_epochs is not None else options.max_steps
         self.samples_per_step = samples_per_step
-        self.total_samples = (options.epochs * samples_per_epoch if samples_per_epoch is not None
+        self.total_samples = (samples_in_epochs if samples_in_epochs is not None
                               else options.max_steps * samples_per_step)
 {%- else %}
-        self.total_samples = options.epochs * samples_per_epoch
+        self.total_samples = samples_in_epochs  # --epochs', each epoch's own
 {%- endif %}
         self.warmup_steps = options.warmup_steps
         self.warmup_samples = (self.total_samples // 20 if options.warmup_steps is None

@@ -290,7 +290,10 @@ class StreamLoader:
         self.corpus = hashlib.sha256(repr(dataset.pieces).encode()).hexdigest()[:16]
         self.resumed = False  # this epoch continues a saved position (which may stand at its very end)
 
-    samples_per_epoch = steps_per_epoch = None  # known only once read: the lr schedule spans --max-steps
+    def samples_in_epochs(self, epochs: int) -> None:  # known only once read: the lr schedule spans --max-steps
+        return None
+
+    steps_in_epochs = samples_in_epochs
 
     @property
     def samples_per_step(self) -> int:  # all ranks together
