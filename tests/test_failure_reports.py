@@ -239,9 +239,9 @@ def test_a_hang_that_recurs_at_the_same_step_is_named_with_its_flag_once_and_not
     assert hangs[0].endswith("; exiting so torchrun restarts the group from the last checkpoint."), hangs[0]
     assert hangs[1].startswith("error: HANG: rank(s) 0 stopped making progress (past --io-timeout 4 s)"), hangs[1]
     assert hangs[1].endswith("; the same hang as the previous attempt, at the same step and phase from the same "
-                             "checkpoint: it recurs, so the job is not retried; if that work needs longer, raise "
+                             "checkpoint: it recurs, so torchrun does not retry it; if that work needs longer, raise "
                              "--io-timeout (now 4 s)"), hangs[1]
-    assert (tmp_path / "stop-requeue").read_text() == hangs[1] + "\n"
+    assert not (tmp_path / "stop-requeue").exists(), "a requeue, maybe on other machines, may still try"
     # Two attempts trained; the next ones ended at once, and the log kept a few frames of each stack.
     assert output.count("world_size=2") == 2 and len(re.findall(r"failed \(exitcode", output)) >= 3, output[-4000:]
     run_id = re.search(r"run_id=(\S+)", output)[1]

@@ -488,7 +488,7 @@ if os.environ.get("RANK") == "0":  # a worker, not torchrun
         global steps
         steps += 1
         if steps == 32:
-            os.kill(os.getpid(), signal.SIGTERM)  # this worker alone: not torchrun, not the other rank
+            os.kill(os.getppid(), signal.SIGTERM)  # torchrun forwards it to every worker
             time.sleep(1)
 
     register_optimizer_step_post_hook(preempted_at_step_32)
@@ -497,8 +497,7 @@ if os.environ.get("RANK") == "0":  # a worker, not torchrun
 
 def test_sigterm_at_an_epochs_last_step_stops_before_its_evaluation(default_project, uninterrupted_bare, tmp_path):
     # Agreed one step late, the stop would come after the epoch's evaluation, which can outlast the grace period.
-    # The signal reaches one worker alone: every rank stops, and so does torchrun (which would otherwise restart
-    # the group), with run_node.sh's status for SIGTERM.
+    # SIGTERM to torchrun, under run_node.sh: its status for SIGTERM and one line, no restart.
     launcher = start_job(default_project, [*tiny_run(ckpt_dir=tmp_path), "--eval-every", "1"], via="run_node.sh",
                          **with_fault(tmp_path, SIGTERM_AT_THE_END_OF_EPOCH_0))
     output = launcher.communicate(timeout=300)[0]

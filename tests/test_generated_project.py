@@ -344,6 +344,14 @@ def test_only_a_damaged_checkpoint_is_set_aside_and_any_other_that_fails_stops_t
     (tmp_path / "step-4.pt").write_bytes(whole[:100] + b"x" * 64 + whole[164:])  # same length, bytes changed
     # One bit flipped in a tensor's bytes (bit rot): the file loads, the generator state would differ silently.
     member = flip_a_bit(tmp_path / "step-3.pt", tmp_path / "step-6.pt")
+    # Written without CRCs (torch.serialization.set_crc32_options(False)): nothing to check, never set aside.
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save(state, tmp_path / "no-crc.pt")
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert replicated.damaged(tmp_path / "no-crc.pt") is None
+    (tmp_path / "no-crc.pt").unlink()
     assert torch.equal(torch.load(tmp_path / "step-6.pt", weights_only=True)["torch_rng_state"][8:],
                        state["torch_rng_state"][8:])  # torch.load itself checks nothing
     found, problem = replicated.load_newest_valid(tmp_path)

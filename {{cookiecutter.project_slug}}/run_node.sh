@@ -70,7 +70,10 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 # torchrun as its console script runs it (torch.distributed.run's main), except that a stop by a signal (a
 # preemption's SIGTERM, Ctrl-C) ends in one line and the shell's status for that signal (143 for SIGTERM, which
 # schedulers retry), where torchrun prints a traceback of its own SignalException and exits 1.
-TORCHRUN=(python3 -c 'import signal, sys
+TORCHRUN_SCRIPT="$(command -v torchrun)" || fail "torchrun is not on PATH: activate the environment PyTorch is installed in"
+TORCHRUN_PYTHON="$(sed -n '1s/^#!\([^ ]*python[0-9.]*\)$/\1/p' "$TORCHRUN_SCRIPT")"  # the interpreter its script names
+TORCHRUN=("${TORCHRUN_PYTHON:-python3}" -c 'import signal, sys
+sys.path.pop(0)  # not this folder: torchrun itself imports nothing of the project
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.run import main
 sys.argv[0] = "torchrun"

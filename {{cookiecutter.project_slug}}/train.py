@@ -48,7 +48,7 @@ from {{ cookiecutter.package_name }}.engine.failure import (
 )
 from {{ cookiecutter.package_name }}.engine.replicas import check_replicas_match
 from {{ cookiecutter.package_name }}.engine.reproducibility import seed_and_choose_kernels, seed_per_rank
-from {{ cookiecutter.package_name }}.engine.watchdog import StopAgreement, Watchdog, exit_after_sigterm
+from {{ cookiecutter.package_name }}.engine.watchdog import EXIT_CODE_AFTER_SIGTERM, StopAgreement, Watchdog
 from {{ cookiecutter.package_name }}.evaluation import evaluate, evaluation_due
 from {{ cookiecutter.package_name }}.metrics import build_meter
 from {{ cookiecutter.package_name }}.optim import (
@@ -284,9 +284,10 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
             options, progress, epoch_ended=batches is None, finished=finished)
         if stop_requested or finished:
             meter.log_the_rest(progress)  # the steps since the last line
-        if stop_requested or finished or batches is not None and progress.step % options.checkpoint.ckpt_every == 0:
+        if stop_requested or finished or (batches is not None and progress.step % options.checkpoint.ckpt_every == 0):
             with watchdog.slow_phase("saving a checkpoint"):
                 checkpointer.save(progress)
+    steps.close()  # the loader's workers end now, not at the process's exit
 
     # meter.close() inside the phase, also on the SIGTERM exit: the tracker's last rows are written within its limit.
 {%- if cookiecutter.use_profiling == "yes" %}
@@ -300,7 +301,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
 {%- endif %}
     if stop_requested:  # preemption, or torchrun stopping the group
         log.info("stopped by SIGTERM after step %d; run the same command again to resume", progress.step)
-        exit_after_sigterm(env)  # status 143; torchrun stops too, instead of restarting the group
+        sys.exit(EXIT_CODE_AFTER_SIGTERM)
 
 
 @record  # an uncaught exception's traceback reaches torchrun's failure summary

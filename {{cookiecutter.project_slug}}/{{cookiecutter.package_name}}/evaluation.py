@@ -109,7 +109,8 @@ def evaluation_due(options, progress, epoch_ended: bool, finished: bool) -> str:
         return "interval"
     if by_epochs and not by_steps and epoch_ended and (progress.epoch % by_epochs == 0 or finished):
         return "epoch"
-    return "run" if finished and (by_steps or by_epochs) else ""
+    just_evaluated = by_steps and progress.step % by_steps == 0  # the last step closed an interval already
+    return "run" if finished and (by_steps or by_epochs) and not just_evaluated else ""
 
 
 def is_count(value) -> bool:

@@ -172,9 +172,10 @@ class Step:
         """What one process (the model unwrapped) reports as check_called's line, for the same loss under DDP."""
         for name, network in vars(self.networks).items():
             wrapper = type(network).__name__
-            if wrapper in ("DistributedDataParallel", "OptimizedModule") and str(error).startswith(
-                    f"'{wrapper}' object has no attribute"):
-                return UsageError(bypassed_forward(name, len(vars(self.networks))))
+            asked = str(error).removeprefix(f"'{wrapper}' object has no attribute ").strip("'")
+            inner = getattr(network, "module", getattr(network, "_orig_mod", network))
+            if asked != str(error) and inner is not network and callable(getattr(inner, asked, None)):
+                return UsageError(bypassed_forward(name, len(vars(self.networks))))  # a method of the model
         return None
 
     def watch_calls(self) -> tuple[dict[str, bool], dict[str, set[int]], list]:
@@ -197,6 +198,8 @@ class Step:
         for handle in handles:
             handle.remove()
         for name, network in vars(self.networks).items():
+            if is_sharded(getattr(network, "_orig_mod", network)):  # FSDP2: its registered forward methods run
+                continue  # no module hook, and parameters left sharded fail loudly in any other method
             if not called[name] and any(parameter.grad is not None and id(parameter) not in had_gradient[name]
                                         for parameter in network.parameters()):
                 raise UsageError(bypassed_forward(name, len(vars(self.networks))))

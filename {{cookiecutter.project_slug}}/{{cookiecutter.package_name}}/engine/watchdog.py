@@ -48,18 +48,6 @@ log = logging.getLogger(__name__)
 EXIT_CODE_AFTER_SIGTERM = 128 + signal.SIGTERM
 
 
-def exit_after_sigterm(env: DistEnv) -> None:
-    """End a rank after the stop every rank agreed on has saved, with EXIT_CODE_AFTER_SIGTERM; under torchrun, first
-    tell the launcher to stop too (each machine's first rank sends its torchrun SIGTERM). The signal may have
-    reached the workers alone (a `kill` of them, a scheduler that signals some processes): torchrun would restart
-    a group whose workers exit non-zero, and its other machines' groups would wait for this one at the next
-    rendezvous. A torchrun that was signalled first is stopping already, and waits for its workers again."""
-    if env.launched_by_torchrun and env.is_local_main_process:
-        with contextlib.suppress(OSError):
-            os.kill(os.getppid(), signal.SIGTERM)
-    sys.exit(EXIT_CODE_AFTER_SIGTERM)
-
-
 # Exit status of a rank that stopped making progress: non-zero, so torchrun restarts the group.
 EXIT_CODE_AFTER_HANG = 124
 # After SIGTERM, how long a rank may stay in a training step before any step has been timed, before it counts
@@ -317,14 +305,14 @@ class Watchdog:
         except Exception as error:  # noqa: BLE001 - the store lives on rank 0, which may be the one that stopped
             sys.stderr.write(f"[rank {self.env.rank}] could not share this report ({type(error).__name__}); "
                              "rank 0, which holds the job's store, may be the rank that stopped\n")
-        if summary is not None and hang_recorder is not None and hang_recorder(summary):
+        # A rank named by its own stack, past its limit, at the same step and phase as in the previous attempt:
+        # work that needs longer than the limit, not retried by this torchrun (a requeue, maybe on other machines,
+        # still tries). Not on NCCL's summaries, which name no rank by its stack.
+        if summary is not None and hang_recorder is not None and stopped_limits(summary) and hang_recorder(summary):
             raise_limits = " or ".join(f"{name} (now {value} s)" for name, value in stopped_limits(summary))
             summary = (f"error: {summary.removesuffix(RESTART_WORDS)}; the same hang as the previous attempt, at the "
-                       "same step and phase from the same checkpoint: it recurs, so the job is not retried"
-                       + (f"; if that work needs longer, raise {raise_limits}" if raise_limits else ""))
-            if self.env.stop_requeue_file:
-                with contextlib.suppress(OSError):
-                    Path(self.env.stop_requeue_file).write_text(summary + "\n")
+                       "same step and phase from the same checkpoint: it recurs, so torchrun does not retry it; if "
+                       f"that work needs longer, raise {raise_limits}")
         if summary is not None:
             sys.stderr.write(summary + "\n")
             sys.stderr.flush()

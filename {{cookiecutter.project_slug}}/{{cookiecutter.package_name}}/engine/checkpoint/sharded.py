@@ -61,7 +61,9 @@ def own_checksums(folder: Path, rank: int) -> dict[str, int]:
     def own(name: str) -> bool:
         match = RANK_FILE.match(name)
         return int(match[1]) == rank if match else rank == 0
-    return {path.name: file_crc32(path) for path in sorted(folder.iterdir()) if path.is_file() and own(path.name)}
+    # By name first: at thousands of ranks, each rank asking the shared file system about every file is N^2.
+    return {entry.name: file_crc32(Path(entry.path)) for entry in sorted(os.scandir(folder), key=lambda e: e.name)
+            if own(entry.name) and entry.is_file()}
 
 
 def changed_files(folder: Path, rank: int, world_size: int) -> list[str]:
@@ -194,6 +196,9 @@ class ShardedCheckpointer(Checkpointer):
         dist.gather_object(own, checksums, dst=0, group=self._save_group)
         if self.env.is_main_process:
             self.publish_and_prune(partial, final, kept, checksums)
+        # No rank's wait() returns before the folder is published: a job's last save, then its exit, must not let
+        # a scheduler end rank 0's machine while it renames the folder into place (srun --kill-on-bad-exit).
+        dist.barrier(group=self._save_group)
 
     def publish_and_prune(self, partial: Path, final: Path, kept: set[int], checksums: list[dict]) -> None:
         """Rank 0: the options and every file's checksum (`checksums`: each rank's of its own files) beside the
