@@ -472,6 +472,10 @@ def test_resume_lists_changed_options_and_refuses_a_changed_model(default_projec
     other_strategy = plain(max_steps=4, strategy="fsdp2")
     assert other_strategy.returncode == 1
     assert f"error: --ckpt-dir {tmp_path} holds --strategy ddp checkpoints" in other_strategy.stderr
+    fewer_steps = plain(max_steps=2)  # below what the checkpoint holds: not a run that ends at once, silently
+    assert fewer_steps.returncode == 1 and fewer_steps.stderr.strip().splitlines()[-1] == (
+        f"error: --max-steps 2 is below the 3 steps {tmp_path / 'step-3.pt'} already holds; pass --max-steps 3 or "
+        "more to go on, or another --ckpt-dir to start over"), fewer_steps.stderr[-2000:]
 
 
 SIGTERM_AT_THE_END_OF_EPOCH_0 = """

@@ -364,6 +364,10 @@ class Checkpointer:
         saved = state["progress"]
         progress = progress_type(**{spec.name: saved[spec.name] for spec in fields(progress_type)
                                     if spec.name in progress_fields})
+        max_steps = self.recorded.values.get("max_steps")  # a stream's counts steps of its first world size
+        if max_steps is not None and max_steps < progress.step and "stream_position" not in self.components:
+            raise UsageError(f"--max-steps {max_steps} is below the {progress.step} steps {source} already holds; "
+                             f"pass --max-steps {progress.step} or more to go on, or another --ckpt-dir to start over")
         self.last_saved = self.saved_as(progress)
         log.info("resuming from %s (step %d, epoch %d, %d samples into the epoch, %d in all, saved by %d ranks)",
                  source, progress.step, progress.epoch, progress.samples_in_epoch, progress.samples_seen,
