@@ -137,8 +137,7 @@ class ShardedLoader(DataLoader):
     def samples_in_epochs(self, epochs: int) -> int:  # all ranks together: what the lr schedule spans
         return epochs * len(self.dataset)
 
-    def steps_in_epochs(self, epochs: int) -> int:  # at this world size, from the start of epoch 0
-        self.sampler.set_epoch(0)
+    def steps_in_epochs(self, epochs: int) -> int:  # at this world size; asked before the first epoch starts
         return epochs * (len(self) * self.batch_size // self.sampler.rank_samples_per_step)  # batches / --grad-accum
 
     @property
@@ -164,6 +163,7 @@ class TaskBatches:
         # An epoch's batches, the samples before each, and a hash of them (compared across ranks and on resume).
         self.cached: tuple[int, list[list[int]], list[int], str] = (-1, [], [0], "")
         self.saved: dict | None = None  # the checkpoint's (epoch, hash of its batches), until that epoch starts
+        self.sizes: dict[int, list[int]] = {}  # each epoch's batch sizes, once made: what the plan counts
 
     def batches(self, epoch: int) -> list[list[int]]:
         if self.cached[0] != epoch:
@@ -172,7 +172,14 @@ class TaskBatches:
                 raise UsageError(f"Task.batches made an empty batch for epoch {epoch}; leave empty ones out")
             self.cached = (epoch, batches, [0, *itertools.accumulate(map(len, batches))],
                            hashlib.sha256(repr(batches).encode()).hexdigest()[:16])
+            self.sizes[epoch] = [len(batch) for batch in batches]
         return self.cached[1]
+
+    def batch_sizes(self, epoch: int) -> list[int]:
+        """The sizes of `epoch`'s batches, its batches made once for the plan of every epoch, not once per use."""
+        if epoch not in self.sizes:
+            self.batches(epoch)
+        return self.sizes[epoch]
 
     def digest(self, epoch: int) -> str:
         self.batches(epoch)
@@ -255,7 +262,7 @@ class TaskBatchLoader(DataLoader):
     def samples_in_epochs(self, epochs: int) -> int:
         """What the batches of `epochs` epochs hold, each epoch's own (a curriculum's grow): the lr schedule spans
         them all, also the untrained tail of an epoch (steps_in_epochs), so that it is the same at any world size."""
-        return sum(sum(map(len, self.batch_sampler.batches(epoch))) for epoch in range(epochs))
+        return sum(sum(self.batch_sampler.batch_sizes(epoch)) for epoch in range(epochs))
 
     def steps_in_epochs(self, epochs: int) -> int:
         """The steps of `epochs` epochs at this world size, each epoch's own. An epoch ends where a whole step no
@@ -263,10 +270,10 @@ class TaskBatchLoader(DataLoader):
         per_step = self.batch_sampler.world_size * self.batch_sampler.grad_accum
         steps, tail_batches, tail_samples = 0, 0, 0
         for epoch in range(epochs):
-            batches = self.batch_sampler.batches(epoch)
-            steps += len(batches) // per_step
-            tail = batches[len(batches) // per_step * per_step:]
-            tail_batches, tail_samples = tail_batches + len(tail), tail_samples + sum(map(len, tail))
+            sizes = self.batch_sampler.batch_sizes(epoch)
+            steps += len(sizes) // per_step
+            tail = sizes[len(sizes) // per_step * per_step:]
+            tail_batches, tail_samples = tail_batches + len(tail), tail_samples + sum(tail)
         if tail_batches:
             log.info("Task.batches: %d batch(es) (%d samples) at the ends of epochs 0-%d fill no whole step of %d "
                      "ranks x %d micro-batches and are not trained (make each epoch's batch count a multiple of %d "
@@ -276,8 +283,9 @@ class TaskBatchLoader(DataLoader):
 
     @property
     def samples_per_step(self) -> int:  # a mean over epoch 0: what --warmup-steps counts in
-        batches, per_step = self.batch_sampler.batches(0), self.batch_sampler.world_size * self.batch_sampler.grad_accum
-        return sum(map(len, batches)) // max(len(batches) // per_step, 1)
+        sampler = self.batch_sampler
+        sizes, per_step = sampler.batch_sizes(0), sampler.world_size * sampler.grad_accum
+        return sum(sizes) // max(len(sizes) // per_step, 1)
 
     def samples_in_step(self, samples_in_epoch: int) -> int:
         return self.batch_sampler.samples_in_step(samples_in_epoch)

@@ -105,12 +105,12 @@ def evaluation_due(options, progress, epoch_ended: bool, finished: bool) -> str:
     --eval-every-steps steps; else "epoch" every --eval-every epochs; "run" at the run's end where it closes
     neither (--max-steps in mid-epoch): logged, but not judged by --keep-best and early stopping."""
     by_steps, by_epochs = options.eval_every_steps, options.eval_every
-    if by_steps and not epoch_ended and progress.step % by_steps == 0:
+    on_interval = by_steps and progress.step % by_steps == 0  # at an epoch's end: evaluated after its last step
+    if on_interval and not epoch_ended:
         return "interval"
     if by_epochs and not by_steps and epoch_ended and (progress.epoch % by_epochs == 0 or finished):
         return "epoch"
-    just_evaluated = by_steps and progress.step % by_steps == 0  # the last step closed an interval already
-    return "run" if finished and (by_steps or by_epochs) and not just_evaluated else ""
+    return "run" if finished and (by_steps or by_epochs) and not on_interval else ""
 
 
 def is_count(value) -> bool:

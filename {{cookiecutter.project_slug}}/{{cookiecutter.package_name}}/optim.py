@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -76,7 +76,7 @@ RESERVED_LOG_NAMES = {"kind", "step", "restart", "loss", "grad_norm", "lr", "sam
 
 
 def bypassed_forward(name: str, networks: int) -> str:
-    """The one line for a loss that trains a network without calling it (Step.check_called)."""
+    """The one line for a loss that trains a network without calling it (Step.forward_called)."""
     what = "the model compute_loss was given" if networks == 1 else f"networks.{name}"
     return (f"the loss gave {what} gradients without calling it: it ran the plain model (step.model) or a method "
             "other than forward (such as model.decode(...)), and DDP and FSDP2 sync gradients only through forward, "
@@ -153,23 +153,22 @@ class Step:
             with contextlib.ExitStack() as sync:
                 for network in vars(self.networks).values():  # all-reduce only on the last micro-batch
                     sync.enter_context(gradient_sync(network, enabled=index == len(batches)))
-                called = self.watch_calls() if self.number == self.first_number and index == 1 else None
-                with self.amp.autocast():
-                    try:
-                        loss = loss_of(self.networks, batch)
-                    except AttributeError as error:  # a method of the model, asked of DDP's wrapper
-                        if refused := self.wrapper_lacks(error):
-                            raise refused from None
-                        raise
-                self.amp.backward(loss / len(batches))
-                if called is not None:
-                    self.check_called(*called)
+                first = self.number == self.first_number and index == 1
+                with self.forward_called() if first else contextlib.nullcontext():
+                    with self.amp.autocast():
+                        try:
+                            loss = loss_of(self.networks, batch)
+                        except AttributeError as error:  # a method of the model, asked of DDP's wrapper
+                            if refused := self.wrapper_lacks(error):
+                                raise refused from None
+                            raise
+                    self.amp.backward(loss / len(batches))
             self.nonfinite.watch(loss)
             total = total + loss.detach()
         return total / len(batches)
 
     def wrapper_lacks(self, error: AttributeError) -> UsageError | None:
-        """What one process (the model unwrapped) reports as check_called's line, for the same loss under DDP."""
+        """What one process (the model unwrapped) reports as forward_called's line, for the same loss under DDP."""
         for name, network in vars(self.networks).items():
             wrapper = type(network).__name__
             asked = str(error).removeprefix(f"'{wrapper}' object has no attribute ").strip("'")
@@ -178,28 +177,27 @@ class Step:
                 return UsageError(bypassed_forward(name, len(vars(self.networks))))  # a method of the model
         return None
 
-    def watch_calls(self) -> tuple[dict[str, bool], dict[str, set[int]], list]:
-        """At this run's first step: which networks the loss calls, and which parameters have a gradient before it
-        (for check_called). The hooks run only then."""
-        called = dict.fromkeys(vars(self.networks), False)
+    @contextlib.contextmanager
+    def forward_called(self) -> Iterator[None]:
+        """Around this run's first forward and backward: stop, in one plain process as under torchrun, when the loss
+        gave a network's parameters gradients without calling that network (forward pre-hooks, removed after): it
+        ran the plain model (step.model) or a method other than forward (model.decode(...)). DDP syncs gradients
+        only through the wrapped network's forward: the ranks would train different models (under DDP, a method it
+        lacks fails as an AttributeError instead). FSDP2's networks are left alone: their registered forward
+        methods run no module hook, and parameters left sharded fail loudly in any other method."""
+        watched = {name: network for name, network in vars(self.networks).items()
+                   if not is_sharded(getattr(network, "_orig_mod", network))}
+        called = dict.fromkeys(watched, False)
         had_gradient = {name: {id(parameter) for parameter in network.parameters() if parameter.grad is not None}
-                        for name, network in vars(self.networks).items()}
-
-        def hook(name: str):
-            return lambda *_: called.__setitem__(name, True)
-        handles = [network.register_forward_pre_hook(hook(name)) for name, network in vars(self.networks).items()]
-        return called, had_gradient, handles
-
-    def check_called(self, called: dict[str, bool], had_gradient: dict[str, set[int]], handles: list) -> None:
-        """Stop, in one plain process as under torchrun, when the loss gave a network's parameters gradients without
-        calling that network: it ran the plain model (step.model) or a method other than forward (model.decode(...)).
-        DDP and FSDP2 sync gradients only through the wrapped network's forward: the ranks would train different
-        models (under DDP, a method it lacks fails as an AttributeError instead)."""
-        for handle in handles:
-            handle.remove()
-        for name, network in vars(self.networks).items():
-            if is_sharded(getattr(network, "_orig_mod", network)):  # FSDP2: its registered forward methods run
-                continue  # no module hook, and parameters left sharded fail loudly in any other method
+                        for name, network in watched.items()}
+        handles = [network.register_forward_pre_hook(lambda *_, name=name: called.__setitem__(name, True))
+                   for name, network in watched.items()]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+        for name, network in watched.items():
             if not called[name] and any(parameter.grad is not None and id(parameter) not in had_gradient[name]
                                         for parameter in network.parameters()):
                 raise UsageError(bypassed_forward(name, len(vars(self.networks))))

@@ -27,6 +27,7 @@ from .data import tensors_in
 from .engine.collectives import all_reduce, barrier, run_once_per_storage, same_on_every_rank
 from .engine.distributed import DistEnv
 from .engine.errors import UsageError
+from .engine.flags import flag
 from .engine.replicas import bit_sum
 from .options import TrainOptions
 from .parallel import whole_model
@@ -177,7 +178,7 @@ class Task:
             raise UsageError(self.unknown_name("model", options.task.model, every_model))
         every = self.work_every(options)  # a number Task() checked, or what the TaskOptions field it names holds
         if isinstance(every, int) and every < 0:  # the user's flag
-            raise UsageError(f"--{self.rank_0_work[0].replace('_', '-')} must be >= 0 (0: never), got {every}")
+            raise UsageError(f"--{flag(self.rank_0_work[0])} must be >= 0 (0: never), got {every}")
         if not isinstance(every, int):
             raise UsageError(f"Task(rank_0_work=({self.rank_0_work[0]!r}, ...)) names a TaskOptions field for its "
                              f"steps; it holds {every!r}: give it an int option, >= 1 (0: never)")

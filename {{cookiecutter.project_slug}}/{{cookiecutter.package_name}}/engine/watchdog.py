@@ -275,8 +275,12 @@ class Watchdog:
         return seen is not None and now - seen <= 2 * self.step_timeout
 
     def _main_thread_stack(self) -> str:
+        return "".join(self._main_thread_frames())
+
+    def _main_thread_frames(self) -> list[str]:
+        """The main thread's stack, a formatted frame an entry, innermost last."""
         frame = sys._current_frames().get(self._main_thread)
-        return "".join(traceback.format_stack(frame)) if frame else "(main thread not found)\n"
+        return traceback.format_stack(frame) if frame else ["(main thread not found)\n"]
 
     def _waiting_for_others(self) -> bool | None:
         """Whether the main thread waits for other ranks; None on NCCL, whose collectives return as soon as
@@ -296,8 +300,9 @@ class Watchdog:
                   "waiting_for_others": waiting, "stopped_since": stopped_since, "limit": limit}
         line = (f"[rank {self.env.rank}] no progress for {stalled:.0f} s in {what} (step {step}, past {limit}); "
                 f"{WAITING_WORDS[waiting]}")
-        stack = self._main_thread_stack()
-        sys.stderr.write(f"{line}; innermost frames:\n{self._log_stack(stack)}{self._write_nccl_flight_record()}")
+        frames = self._main_thread_frames()
+        stack = "".join(frames)
+        sys.stderr.write(f"{line}; innermost frames:\n{self._log_stack(frames)}{self._write_nccl_flight_record()}")
         sys.stderr.flush()
         summary = None
         try:
@@ -322,10 +327,10 @@ class Watchdog:
                          stopped_since if waiting is False else time.time())
         os._exit(EXIT_CODE_AFTER_HANG)
 
-    def _log_stack(self, stack: str) -> str:
-        """The innermost FRAMES_LOGGED frames of `stack`, and where the whole of it went (a waiting rank's runs to
-        dozens of frames, and every rank logs its own)."""
-        frames = traceback.format_list(traceback.extract_stack(sys._current_frames().get(self._main_thread)))
+    def _log_stack(self, frames: list[str]) -> str:
+        """The innermost FRAMES_LOGGED of `frames`, and where the whole stack went (a waiting rank's runs to dozens
+        of frames, and every rank logs its own)."""
+        stack = "".join(frames)
         path = hang_reports_folder(self.env) / f"stack-rank-{self.env.rank}.txt"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -48,6 +48,16 @@ def every_checkpoint(ckpt_dir: Path) -> list[tuple[int, Path]]:
     return sorted(list_checkpoints(ckpt_dir) + list_sharded_checkpoints(ckpt_dir), reverse=True)
 
 
+def set_aside(checkpoint: Path) -> Path:
+    """Rename a checkpoint that cannot be resumed (a file or a folder) to <name>.unreadable, out of the way of
+    resuming and retention but kept; with a suffix where one of that name is there already."""
+    kept = checkpoint.with_name(f"{checkpoint.name}.unreadable")
+    if kept.exists():
+        kept = kept.with_name(f"{kept.name}-{uuid.uuid4().hex[:8]}")
+    os.replace(checkpoint, kept)
+    return kept
+
+
 def write_json(path: Path, value, durable: bool = False) -> None:
     """`value` as JSON in `path`, whole or not at all (write_text's); durable=True for a checkpoint's own files."""
     write_text(path, json.dumps(value, indent=1 if durable else None), durable)

@@ -24,7 +24,7 @@ from .common import (
     first_line,
     hold_checkpoint_folder,
 )
-from .folder import fsync_directory, list_checkpoints
+from .folder import fsync_directory, list_checkpoints, set_aside
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +80,7 @@ def load_newest_valid(ckpt_dir: Path) -> tuple[tuple[Path, dict] | None, str | N
     for step, path in list_checkpoints(ckpt_dir):
         try:
             if damage := damaged(path):
-                kept = path.with_name(f"{path.name}.unreadable")
-                os.replace(path, kept)
-                log.warning("skipping unreadable checkpoint %s (%s); kept as %s", path, damage, kept.name)
+                log.warning("skipping unreadable checkpoint %s (%s); kept as %s", path, damage, set_aside(path).name)
                 continue
             state = load_mapped(path)
         except OSError as error:

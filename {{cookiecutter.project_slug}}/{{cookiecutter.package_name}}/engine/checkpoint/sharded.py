@@ -33,7 +33,7 @@ from .common import (
     Checkpointer,
     hold_checkpoint_folder,
 )
-from .folder import fsync_directory, list_sharded_checkpoints, write_json
+from .folder import fsync_directory, list_sharded_checkpoints, set_aside, write_json
 
 log = logging.getLogger(__name__)
 
@@ -255,16 +255,12 @@ class ShardedCheckpointer(Checkpointer):
                 changed_files(newest, self.env.rank, self.env.world_size)) for name in names)
             if not changed:
                 return newest, saved_options(newest)
-            if self.env.is_main_process:  # out of the way of resuming and retention, but kept
-                kept = newest.with_name(f"{newest.name}.unreadable")
-                if kept.exists():
-                    kept = kept.with_name(f"{kept.name}-{uuid.uuid4().hex[:8]}")
-                os.replace(newest, kept)
+            if self.env.is_main_process:
                 log.warning("skipping unreadable checkpoint %s (its bytes changed after it was written: the CRC-32 "
                             "of %s is not the one recorded at the save (bit rot on the storage, or a bad copy)); "
                             "kept as %s", newest,
                             ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else ""),
-                            kept.name)
+                            set_aside(newest).name)
 
     def saved_metadata(self, source: Path) -> dict:
         """DCP's index of `source` (path in the state dict -> what is stored), read once per resume."""
