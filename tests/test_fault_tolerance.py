@@ -89,9 +89,9 @@ def test_random_augmentation_is_redrawn_identically_after_a_resume(default_proje
     assert run_job(default_project, tiny_run(**images, max_steps=5, num_workers=0, ckpt_dir=reference),
                    via="python", nproc=1).returncode == 0
     # Stopped mid-epoch, then resumed with another number of DataLoader workers.
-    for max_steps, workers in ((2, 0), (5, 2)):
-        result = run_job(default_project, tiny_run(**images, max_steps=max_steps, num_workers=workers,
-                                                   ckpt_dir=resumed), via="python", nproc=1)
+    for stop_at_step, workers in ((2, 0), (None, 2)):
+        result = run_job(default_project, tiny_run(**images, max_steps=5, stop_at_step=stop_at_step,
+                                                   num_workers=workers, ckpt_dir=resumed), via="python", nproc=1)
         assert result.returncode == 0, result.stderr
     assert "resuming from" in result.stderr
     assert_bitwise_equal(checkpoint(resumed, 5), checkpoint(reference, 5))
@@ -177,40 +177,45 @@ def step_lr(ckpt_dir: Path, step: int) -> tuple[int, float]:
 
 def test_a_resized_job_runs_the_uninterrupted_lr_at_every_sample_count(default_project, uninterrupted_bare,
                                                                        baked_module, tmp_path):
-    # The reference trains 2 ranks x 8 = 16 samples a step, 32 steps an epoch, over --epochs 10. One rank of 8
+    # The reference trains 2 ranks x 8 = 16 samples a step, --max-steps 40: a run of 640 samples. One rank of 8
     # takes 8 a step: at equal samples seen it stands at twice the reference's step, and a schedule over steps
-    # would run ahead of it. Every step of either takes the lr of one curve over samples, at its middle.
+    # would run ahead of it. Every step of either takes the lr of one curve over samples, at its middle; the
+    # run's length is --max-steps steps of the world size it started on, and a resize ends it there.
     optim = baked_module("optim")
-    warmup = checkpoint(uninterrupted_bare, 8)["lr_schedule"]["warmup_samples"]
 
-    def on_the_curve(ckpt_dir: Path, step: int, per_step: int) -> None:
+    def on_the_curve(ckpt_dir: Path, step: int, per_step: int, run_samples: int) -> None:
         samples, lr = step_lr(ckpt_dir, step)
-        expected = 0.01 * optim.warmup_then_decay(samples - per_step / 2, warmup, 10 * 512, "cosine")
+        warmup = checkpoint(ckpt_dir, step)["lr_schedule"]["warmup_samples"]
+        assert warmup == run_samples // 20 and checkpoint(ckpt_dir, step)["lr_schedule"]["total_samples"] == run_samples
+        expected = 0.01 * optim.warmup_then_decay(samples - per_step / 2, warmup, run_samples, "cosine")
         assert lr == pytest.approx(expected, rel=1e-12), (ckpt_dir.name, step, samples)
 
-    def train(ckpt_dir: Path, max_steps: int, nproc: int) -> str:
-        result = run_job(default_project, tiny_run(num_workers=0, max_steps=max_steps, ckpt_dir=ckpt_dir),
+    def train(ckpt_dir: Path, stop_at_step: int | None, nproc: int) -> str:
+        result = run_job(default_project, tiny_run(num_workers=0, stop_at_step=stop_at_step, ckpt_dir=ckpt_dir),
                          via="python" if nproc == 1 else "torchrun", nproc=nproc)
         assert result.returncode == 0, result.stderr[-3000:]
         assert "lr_scheduler" not in result.stderr and "get_lr()" not in result.stderr, result.stderr
         return result.stderr
 
     for step in (4, 8, 20, 40):
-        on_the_curve(uninterrupted_bare, step, 16)
-    # 1 -> 2 ranks, the direction that ran the rest of the run at lr 0: 16 steps of 8, then 2 ranks to step 24.
+        on_the_curve(uninterrupted_bare, step, 16, 640)
+    assert step_lr(uninterrupted_bare, 40)[1] < 1e-5  # the cosine's end: --max-steps is the schedule's span
+    # 1 -> 2 ranks, the direction that ran the rest of the run at lr 0: started on 1 rank, its run is 40 steps
+    # of 8 (320 samples); paused at step 16, then 2 ranks of 8 train the other 192 in 12 steps, to step 28.
     grown = tmp_path / "grown"
     train(grown, 16, nproc=1)
-    assert "2 ranks instead of 1: a step is now another number of samples" in train(grown, 24, nproc=2)
-    for step, samples, per_step in ((8, 64, 8), (16, 128, 8), (20, 192, 16), (24, 256, 16)):
+    assert "2 ranks instead of 1: a step is now another number of samples" in train(grown, None, nproc=2)
+    for step, samples, per_step in ((8, 64, 8), (16, 128, 8), (20, 192, 16), (28, 320, 16)):
         assert step_lr(grown, step)[0] == samples
-        on_the_curve(grown, step, per_step)
+        on_the_curve(grown, step, per_step, 320)
+    assert max(int(path.stem.split("-")[1]) for path in grown.glob("step-*.pt")) == 28
     # 2 -> 1: the reference's step 8 (128 samples) on one rank, 8 more steps of 8.
     shrunk = tmp_path / "shrunk"
     shrunk.mkdir()
     shutil.copy(uninterrupted_bare / "step-8.pt", shrunk)
     train(shrunk, 16, nproc=1)
     assert step_lr(shrunk, 12)[0] == 160 and step_lr(shrunk, 16)[0] == 192
-    on_the_curve(shrunk, 16, 8)
+    on_the_curve(shrunk, 16, 8, 640)
     # Each rank's CUDA generator state is saved, empty without CUDA; one rank resuming restores it (a no-op here)
     # and saves its own one entry.
     assert checkpoint(uninterrupted_bare, 8)["cuda_rng_states"].shape == (2, 0)
@@ -226,11 +231,11 @@ def run_two_nodes(project: Path, ckpt_dirs: list[Path], *args: str) -> str:
 def test_node_local_checkpoint_folders_resume_from_whichever_node_holds_the_newest(
         default_project, uninterrupted_bare, tmp_path):
     disks = [tmp_path / "node-a", tmp_path / "node-b"]
-    first = run_two_nodes(default_project, disks, "--max-steps", "8")
+    first = run_two_nodes(default_project, disks, "--max-steps", "40", "--stop-at-step", "8")
     assert "written by 2 nodes (node-local folders)" in first
     assert all((disk / "step-8.pt").exists() for disk in disks)  # each node keeps its own copy
     shutil.rmtree(disks[0])  # one machine was replaced by a fresh one with an empty disk
-    second = run_two_nodes(default_project, disks, "--max-steps", "12")
+    second = run_two_nodes(default_project, disks, "--max-steps", "40", "--stop-at-step", "12")
     assert f"resuming from {disks[1] / 'step-8.pt'}" in second
     for disk in disks:
         assert_bitwise_equal(checkpoint(disk, 12), checkpoint(uninterrupted_bare, 12))
@@ -474,8 +479,13 @@ def test_resume_lists_changed_options_and_refuses_a_changed_model(default_projec
     assert f"error: --ckpt-dir {tmp_path} holds --strategy ddp checkpoints" in other_strategy.stderr
     fewer_steps = plain(max_steps=2)  # below what the checkpoint holds: not a run that ends at once, silently
     assert fewer_steps.returncode == 1 and fewer_steps.stderr.strip().splitlines()[-1] == (
-        f"error: --max-steps 2 is below the 3 steps {tmp_path / 'step-3.pt'} already holds; pass --max-steps 3 or "
+        "error: --max-steps 2 ends the run before the 3 steps the checkpoint already holds; pass --max-steps 3 or "
         "more to go on, or another --ckpt-dir to start over"), fewer_steps.stderr[-2000:]
+    assert "lr schedule" not in fewer_steps.stderr  # no line saying what a refused run's schedule became
+    earlier_stop = plain(max_steps=3, stop_at_step=2)
+    assert earlier_stop.returncode == 1 and earlier_stop.stderr.strip().splitlines()[-1] == (
+        "error: --stop-at-step 2 is below the 3 steps the checkpoint already holds; pass --stop-at-step 4 or more, "
+        "or leave it out"), earlier_stop.stderr[-2000:]
 
 
 SIGTERM_AT_THE_END_OF_EPOCH_0 = """

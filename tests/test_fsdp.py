@@ -56,9 +56,9 @@ def tensors(state: dict, prefix: str = "") -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(fsdp_project, tmp_path_factory) -> Path:
-    """Sharded checkpoints every 4 steps of an undisturbed 2-rank run to step 12: the reference."""
+    """Sharded checkpoints every 4 steps of an undisturbed 2-rank run of 40 steps, paused at step 12: the reference."""
     ckpt_dir = tmp_path_factory.mktemp("fsdp-uninterrupted")
-    launch(fsdp_project, 2, max_steps=12, ckpt_dir=ckpt_dir)
+    launch(fsdp_project, 2, stop_at_step=12, ckpt_dir=ckpt_dir)
     return ckpt_dir
 
 
@@ -100,7 +100,7 @@ def test_fsdp2_trains_what_ddp_trains_and_exports_one_plain_file(fsdp_project, u
 def test_channels_last_shards_and_trains_what_contiguous_parameters_train(fsdp_project, uninterrupted, tmp_path):
     """Issue 11: channels-last conv weights are not contiguous, and fully_shard refused them at start (on CUDA
     channels-last is the default for conv models)."""
-    launch(fsdp_project, 2, channels_last=True, max_steps=4, ckpt_dir=tmp_path / "channels-last")
+    launch(fsdp_project, 2, channels_last=True, stop_at_step=4, ckpt_dir=tmp_path / "channels-last")
     expected = tensors(sharded_state(uninterrupted / "step-4", tmp_path))
     actual = tensors(sharded_state(tmp_path / "channels-last" / "step-4", tmp_path))
     # Channels-last convolutions add in another order; BatchNorm over 8 samples amplifies that to 2.5e-5 in 4
@@ -155,7 +155,7 @@ def test_work_rank_0_does_alone_runs_the_whole_model_is_waited_for_and_changes_n
     # all-gathers and reduce-scatters stay paired (rank 0's forwards are not left in the order the next backward
     # prefetches in).
     project = with_task_code(fsdp_project, tmp_path, RANK_0_WORK)
-    result = run_job(project, [*tiny_run(**RUN, max_steps=8, step_timeout=3, ckpt_dir=tmp_path / "ckpt"),
+    result = run_job(project, [*tiny_run(**RUN, stop_at_step=8, step_timeout=3, ckpt_dir=tmp_path / "ckpt"),
                                "--sample-every", "4"], WORK_LOG=str(tmp_path))
     assert result.returncode == 0, result.stderr[-4000:]
     assert "no progress" not in result.stderr, result.stderr[-4000:]
@@ -190,7 +190,7 @@ def test_two_ranks_to_one_reshards_and_continues_the_same_run(fsdp_project, unin
     ckpt_dir.mkdir()
     shutil.copytree(uninterrupted / "step-8", ckpt_dir / "step-8")
     # One rank of 16 samples: the same global batch, so the same run continues on half the ranks.
-    result = launch(fsdp_project, 1, batch_size=16, max_steps=12, ckpt_dir=ckpt_dir)
+    result = launch(fsdp_project, 1, batch_size=16, stop_at_step=12, ckpt_dir=ckpt_dir)
     assert "step 8, epoch 0, 128 samples into the epoch, 128 in all, saved by 2 ranks" in result.stderr
     expected = tensors(sharded_state(uninterrupted / "step-12", tmp_path))
     actual = tensors(sharded_state(ckpt_dir / "step-12", tmp_path))
@@ -215,7 +215,7 @@ def test_changed_and_torn_newest_folders_and_partial_save_fall_back_to_the_previ
     shard = ckpt_dir / "step-8" / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a copy cut short
     (ckpt_dir / ".step-16.partial").mkdir()  # a save killed before it was published
-    result = launch(fsdp_project, 2, max_steps=8, ckpt_dir=ckpt_dir)
+    result = launch(fsdp_project, 2, stop_at_step=8, ckpt_dir=ckpt_dir)
     assert (f"skipping unreadable checkpoint {ckpt_dir / 'step-12'} (its bytes changed after it was written: the "
             "CRC-32 of __0_0.distcp is not the one recorded at the save") in result.stderr, result.stderr[-3000:]
     assert (ckpt_dir / "step-12.unreadable").is_dir() and not (ckpt_dir / "step-12").exists()

@@ -101,7 +101,7 @@ def test_fsdp2_token_files_resume_on_another_world_size_and_export(bake, text_di
         np.frombuffer((text_dir / name).read_bytes(), dtype=np.uint8).astype(np.uint16).tofile(tokens / f"{split}.bin")
     data = dict(data="tokens", data_dir=tokens, vocab_size=256, sample_log=tmp_path / "samples",
                 ckpt_dir=tmp_path / "ckpt")
-    first = launch(project, 2, **data, batch_size=4, max_steps=8)
+    first = launch(project, 2, **data, batch_size=4, max_steps=16, stop_at_step=8)
     assert re.search(r"fsdp2: 3 groups", first.stderr), first.stderr  # one per block (2), and the root
     # Half the epoch on 2 ranks of 4 blocks, the other half on 1 rank of 8: the same 8 blocks a step.
     second = launch(project, 1, **data, batch_size=8, max_steps=16)

@@ -110,7 +110,7 @@ def torchrun(project: Path, ckpt_dir: Path, model: str, **launch: object):
 def test_a_model_returning_a_dataclass_trains_one_model_on_every_rank(default_project, uninterrupted_bare, tmp_path):
     project = with_task_code(default_project, tmp_path, DATACLASS_OUTPUT)
     # The session reference's run (small_cnn, returning a tensor) with the dataclass-returning copy of the model.
-    result = run_job(project, tiny_run(model="dataclass_cnn", num_workers=0, max_steps=8, eval_every=0,
+    result = run_job(project, tiny_run(model="dataclass_cnn", num_workers=0, stop_at_step=8, eval_every=0,
                                        ckpt_dir=tmp_path / "ckpt"))  # the example leaves evaluation alone
     assert result.returncode == 0, result.stderr[-4000:]
     assert "step 1: every rank holds the same parameters" in result.stderr, result.stderr[-4000:]

@@ -166,8 +166,9 @@ def test_groups_of_two_ranks_heal_and_a_job_stopped_and_killed_whole_resumes_fro
         # A new job resumes from those checkpoints, each group from its own; the one behind heals from the other
         # before training (never from step 0).
         end = stopped + 10
-        resumed = outputs_of(start_groups(project, tiny_run(num_workers=0, max_steps=end, ckpt_every=10,
-                                                            ckpt_dir=ckpt_dir, model="normalized_cnn"), nproc=2,
+        resumed = outputs_of(start_groups(project, tiny_run(num_workers=0, max_steps=200, stop_at_step=end,
+                                                            ckpt_every=10, ckpt_dir=ckpt_dir, model="normalized_cnn"),
+                                          nproc=2,
                                           lighthouse_port=port,
                                           logs=tmp_path / "resumed", **given), tmp_path / "resumed")
         for group, (output, step) in enumerate(zip(resumed, (stopped, newest), strict=True)):

@@ -51,7 +51,7 @@ def test_a_checkpoint_that_loads_but_does_not_match_the_code_stops_the_job(defau
     project = shutil.copytree(default_project, tmp_path / "project")
     # A loop edit: the optimizer registered under another name, as a user with two of them would.
     edited(project, "train.py", "model=model, optimizer=optimizer,", "model=model, backbone_optimizer=optimizer,")
-    result = launch_may_fail(project, ckpt_dir, one_process=True, max_steps=8)
+    result = launch_may_fail(project, ckpt_dir, one_process=True, stop_at_step=8)
     assert result.returncode != 0
     assert error_lines(result) == [
         f"error: {ckpt_dir / 'step-4.pt'} does not hold what this code saves: this code saves backbone_optimizer, "
@@ -88,12 +88,12 @@ def test_new_state_starts_fresh_on_request_another_lr_is_scheduled_and_retention
     edited(project, "ddp_training/task.py", "momentum=0.9, weight_decay=5e-4)",
            "momentum=0.9, weight_decay=options.lr / 20)")
 
-    refused = launch_may_fail(project, ckpt_dir, one_process=True, max_steps=8)
+    refused = launch_may_fail(project, ckpt_dir, one_process=True, stop_at_step=8)
     assert refused.returncode != 0 and "this code saves step_counter, which it lacks" in refused.stderr, \
         refused.stderr[-3000:]
     assert f"skipping unreadable checkpoint {ckpt_dir / 'step-12.pt'}" in refused.stderr
     # Resumed with another --lr as well: the same schedule, twice as high.
-    result = launch(project, ckpt_dir, max_steps=8, keep_checkpoints=1, resume_changed_state=True, lr=0.02)
+    result = launch(project, ckpt_dir, stop_at_step=8, keep_checkpoints=1, resume_changed_state=True, lr=0.02)
     assert "--resume-changed-state: this code saves step_counter, which it lacks" in result.stderr
     assert f"resuming from {ckpt_dir / 'step-4.pt'} (step 4" in result.stderr and "--lr 0.01 -> 0.02" in result.stderr
     assert sorted(path.name for path in ckpt_dir.iterdir()) == [".lease", "config.yaml", "step-12.pt.unreadable",
@@ -111,7 +111,7 @@ def test_new_state_starts_fresh_on_request_another_lr_is_scheduled_and_retention
     assert state["entries"] == ["grad_scaler", "lr_schedule", "model", "optimizer", "selection", "step_counter"]
     # The next restart restores it like any other entry, without the flag (here on one rank: 2 steps of 8).
     edited(project, "train.py", *reversed(STEP_COUNTER))
-    launch(project, ckpt_dir, one_process=True, max_steps=10)
+    launch(project, ckpt_dir, one_process=True, stop_at_step=10)
     assert int(checkpoint(ckpt_dir, 10)["step_counter"]["count"]) == 6
 
 
@@ -266,8 +266,8 @@ def test_nothing_of_the_resumed_file_stays_mapped(default_project, tmp_path):
     ckpt_dir = tmp_path / "ckpt"
     (tmp_path / "fault").mkdir()
     (tmp_path / "fault" / "sitecustomize.py").write_text(REPORT_MAPPED_CHECKPOINTS)
-    for max_steps in (4, 12):
-        args = tiny_run(num_workers=0, max_steps=max_steps, keep_checkpoints=1, ckpt_dir=ckpt_dir)
+    for stop_at_step in (4, None):
+        args = tiny_run(num_workers=0, max_steps=12, stop_at_step=stop_at_step, keep_checkpoints=1, ckpt_dir=ckpt_dir)
         result = run_job(project, args, via="python", nproc=1, PYTHONPATH=str(tmp_path / "fault"))
         assert result.returncode == 0, result.stderr[-3000:]
     assert f"resuming from {ckpt_dir / 'step-4.pt'}" in result.stderr

@@ -813,19 +813,11 @@ def test_a_count_the_evaluation_reads_missing_from_the_tasks_dicts_is_one_line_n
     assert type(sums["samples"]) is int and type(sums["correct"]) is int and type(sums["loss"]) is float, sums
 
 
-def test_a_max_steps_past_the_epochs_says_where_the_run_ends(baked_module, caplog):
-    optim = baked_module("optim")
-    with caplog.at_level("INFO"):
-        assert optim.planned_steps(SimpleNamespace(epochs=10, max_steps=300), 160) == 160
-        assert optim.planned_steps(SimpleNamespace(epochs=10, max_steps=100), 160) == 100
-    assert caplog.messages == ["--max-steps 300 is past --epochs 10 (160 steps at this world size): the run "
-                               "ends at step 160; raise --epochs for more (the lr schedule spans them)"]
-
-
 def test_epochs_of_different_sizes_are_planned_each_by_its_own_batches(baked_module, caplog):
     # A curriculum whose epochs hold 16, 25 and 34 batches of 4 samples: the plan (the progress bar's steps, the lr
-    # schedule's span and its 5 % warmup) counts each epoch's own, not epoch 0's three times; on 2 ranks the odd
-    # epoch's last batch fills no step, and that is said.
+    # schedule's span and its 5 % warmup) counts each epoch's own, not epoch 0's three times, by --epochs or by
+    # --max-steps (its samples, and the steps to them from a resumed place); on 2 ranks the odd epoch's last batch
+    # fills no step, and that is said when the epoch starts.
     import torch
 
     data = baked_module("data")
@@ -837,15 +829,23 @@ def test_epochs_of_different_sizes_are_planned_each_by_its_own_batches(baked_mod
                                                                      for i in range(sizes[epoch])],
                                    None, SimpleNamespace(grad_accum=1, task=task_options),
                                    SimpleNamespace(rank=0, world_size=world_size), torch.device("cpu"))
-        return SimpleNamespace(batch_sampler=sampler)
+        made = data.TaskBatchLoader.__new__(data.TaskBatchLoader)  # its plan alone: no DataLoader behind it
+        made.batch_sampler = sampler
+        return made
     two, one = loader(2), loader(1)
+    assert two.samples_in_epochs(3) == one.samples_in_epochs(3) == 4 * (16 + 25 + 34)  # at any world size
+    assert two.steps_in_epochs(3) == 8 + 12 + 17 and one.steps_in_epochs(3) == 75
+    assert two.samples_in_steps(10) == 80 and two.samples_in_steps(21) == 64 + 96 + 8  # across epoch 0's end
+    start = SimpleNamespace(epoch=0, samples_in_epoch=0, samples_seen=0)
+    assert two.steps_to(290, start) == 37 and one.steps_to(290, start) == 73
+    resumed = SimpleNamespace(epoch=1, samples_in_epoch=40, samples_seen=104)  # 10 of epoch 1's 25 batches
+    assert two.steps_to(160, resumed) == 7  # its 15 batches left: 7 whole steps
     with caplog.at_level("INFO"):
-        assert data.TaskBatchLoader.samples_in_epochs(two, 3) == 4 * (16 + 25 + 34)  # the same at any world size
-        assert data.TaskBatchLoader.steps_in_epochs(two, 3) == 8 + 12 + 17
-        assert data.TaskBatchLoader.steps_in_epochs(one, 3) == 75
-    assert caplog.messages == ["Task.batches: 1 batch(es) (4 samples) at the ends of epochs 0-2 fill no whole step of "
-                               "2 ranks x 1 micro-batches and are not trained (make each epoch's batch count a "
-                               "multiple of 2 to train them all)"]
+        two.batch_sampler.set_epoch(0)
+        two.batch_sampler.set_epoch(1)
+        two.batch_sampler.set_epoch(1, samples_in_epoch=40)  # a resume in it: said at its start already
+    assert caplog.messages == ["epoch 1: Task.batches' last 1 batch(es) (4 samples) fill no whole step of 2 ranks x "
+                               "--grad-accum 1 and are not trained (a multiple of 2 batches trains them all)"]
 
 
 def test_a_dataset_with_set_epoch_is_told_each_samples_epoch_in_the_workers_that_load_it(baked_module):

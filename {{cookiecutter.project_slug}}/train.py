@@ -84,7 +84,7 @@ class TrainingProgress:
     epoch: int = 0
     samples_in_epoch: int = 0  # global samples (all ranks) of this epoch already trained on
     samples_seen: int = 0  # global samples trained on in all, what the lr schedule follows
-    evaluation_due: str = ""  # what the evaluation still to run closes: "interval", "epoch" or "run"
+    evaluation_due: str = ""  # what the evaluation still to run closes: "interval", "epoch", "run" or "stop"
 
     def __post_init__(self) -> None:  # a checkpoint from before evaluations said what they close: a bool
         if isinstance(self.evaluation_due, bool):
@@ -94,17 +94,12 @@ class TrainingProgress:
         self.step += 1
         self.samples_in_epoch += samples
         self.samples_seen += samples
-{% if cookiecutter.use_streaming == "yes" %}
-    def finished(self, epochs: int, max_steps: int | None, max_samples: int | None) -> bool:
-        """After --epochs, or --max-steps steps; a stream after `max_samples` (its --max-steps counted at the world
-        size it started with, so that a resize ends it where its lr schedule ends)."""
-        if max_samples is not None:
-            return self.epoch >= epochs or self.samples_seen >= max_samples
-{%- else %}
-    def finished(self, epochs: int, max_steps: int | None) -> bool:
-        """After --epochs, or --max-steps steps."""
-{%- endif %}
-        return self.epoch >= epochs or (max_steps is not None and self.step >= max_steps)
+    def finished(self, options: TrainOptions, run_samples: int | None) -> bool:
+        """Once `run_samples` samples are trained (--max-steps' at the world size the run started on: a resize
+        ends it where its lr schedule ends), else after --epochs; or after --stop-at-step."""
+        if options.stop_at_step is not None and self.step >= options.stop_at_step:
+            return True
+        return self.samples_seen >= run_samples if run_samples is not None else self.epoch >= options.epochs
 
     def next_epoch(self) -> None:
         self.epoch += 1
@@ -181,8 +176,8 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     step = Step(networks, model, optimizers, amp, options, nonfinite, update, task_state)  # training_step's
     optimizer = step.optimizer  # every optimizer as one: scaled by the lr schedule, saved by checkpoints
     # Over samples seen, not steps: a job resumed on another number of ranks continues the same curve.
-    lr_schedule = LearningRateSchedule(optimizer, options, train_loader.samples_in_epochs(options.epochs),
-                                       train_loader.samples_per_step)  # all ranks' (with Task.batches, a mean)
+    # It spans the run (--max-steps, else --epochs) and says where it ends: `run_samples`.
+    lr_schedule = LearningRateSchedule(optimizer, options, train_loader)
     # Where the training set stands beyond a count of samples ({% if cookiecutter.use_streaming == "yes" %}a stream's position, {% endif %}the task's batches): saved.
     position = {train_loader.position_entry: train_loader} if train_loader.position_entry else {}
     # --keep-best, --early-stop-patience: the best evaluation so far, and how many came after it.
@@ -201,10 +196,9 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     # What --grad-accum and a resize do to a loss that couples a batch's samples (contrastive, BatchNorm).
     check_coupled_batch(task.loss_couples, task.keep_coupled_batch, model, options, env.world_size,
                         checkpointer.resumed_from, own_batches=task.batches is not None)
-{%- if cookiecutter.use_streaming == "yes" %}
-    # A stream's run is a number of samples (--max-steps steps of its first world size), which a resize keeps.
-    max_samples = lr_schedule.stream_samples  # None for a map-style set: --epochs, or --max-steps steps
-{%- endif %}
+    # --max-steps' run is a number of samples (its steps at the first world size), which a resize keeps.
+    run_samples = lr_schedule.run_samples  # None: the run is --epochs
+    planned = planned_steps(options, train_loader, progress, lr_schedule)  # the step it ends at, at this size
 {%- if cookiecutter.use_profiling == "yes" %}
     profiler = StepProfiler(options.profiling, options.logging.log_dir, env, device, watchdog)  # --profile-steps
     profiler.before_step(progress.step + 1)
@@ -214,12 +208,6 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
         # shows before training
         with watchdog.slow_phase("checking evaluation on one batch"):
             selection.check_metric(evaluate(model, eval_loader, device, amp, task, max_batches=1))
-{%- if cookiecutter.use_streaming == "yes" %}
-    planned = planned_steps(options, train_loader.steps_in_epochs(options.epochs),
-                            lr_schedule.stream_steps(progress.step, progress.samples_seen))
-{%- else %}
-    planned = planned_steps(options, train_loader.steps_in_epochs(options.epochs))
-{%- endif %}
     meter = build_meter(options, env, device, planned, done_steps=progress.step, unit=task.throughput_unit,
                         flops_per_unit=task.model_flops_per_unit(model, options),
                         changed_options=checkpointer.changed_options)
@@ -239,12 +227,12 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
             else:
                 closes, progress.evaluation_due = progress.evaluation_due, ""
                 meter.log_evaluation(progress.step, progress.epoch, results, closes)
-                # --keep-best judges the evaluations --eval-every(-steps) asks for: not the run's in mid-interval.
-                if closes != "run" and selection.judge(results, progress.step, stop.decided_by_rank_0):
+                # --keep-best judges the evaluations --eval-every(-steps) asks for: not one at an end in mid-interval.
+                if closes in ("interval", "epoch") and selection.judge(results, progress.step, stop.decided_by_rank_0):
                     with watchdog.slow_phase("saving the best checkpoint"):
                         checkpointer.save(progress, wait=True)  # the best so far: saved now, and kept
                     selection.write_record()
-        if stop_requested or progress.finished(options.epochs, options.max_steps{% if cookiecutter.use_streaming == "yes" %}, max_samples{% endif %}) \
+        if stop_requested or progress.finished(options, run_samples) \
                 or selection.out_of_patience():
             break  # the loop's one exit
         batches = next(steps)  # whatever task.collate made, moved to the device as the step reads it
@@ -279,7 +267,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
             stop_requested = stop.agreed(watchdog.sigterm_received)  # SIGTERM reached some rank: same step on all
         # After each step and each epoch's end, what is due: an evaluation, a checkpoint (before that evaluation:
         # one that fails loses no training).
-        finished = progress.finished(options.epochs, options.max_steps{% if cookiecutter.use_streaming == "yes" %}, max_samples{% endif %})
+        finished = progress.finished(options, run_samples)
         progress.evaluation_due = progress.evaluation_due or evaluation_due(
             options, progress, epoch_ended=batches is None, finished=finished)
         if stop_requested or finished:

@@ -104,11 +104,11 @@ BARE = tiny_run()
 
 def assert_trains_like_bare(args: list[str]) -> None:
     """That these flags, with --batch-size 8, train what BARE trains: the same value for every flag that decides
-    the weights (loader workers, logging, the watchdog's timeouts and the step limit do not; the LR schedule
-    spans --epochs)."""
+    the weights (loader workers, logging, the watchdog's timeouts and --stop-at-step do not; --max-steps, the
+    run's length, does)."""
     reference, given = dict(zip(BARE[::2], BARE[1::2], strict=True)), dict(zip(args[::2], args[1::2], strict=True))
     assert reference["--batch-size"] == "8" and given.get("--batch-size", "8") == "8", (args, BARE)
-    ignored = {"--batch-size", "--num-workers", "--log-every", "--max-steps", "--ckpt-every", "--keep-checkpoints",
+    ignored = {"--batch-size", "--num-workers", "--log-every", "--stop-at-step", "--ckpt-every", "--keep-checkpoints",
                "--step-timeout", "--io-timeout"}
     deciding = (reference.keys() | given.keys()) - ignored  # a flag only one side gives must show up as a difference
     differing = {flag for flag in deciding if given.get(flag) != reference.get(flag)}

@@ -147,6 +147,12 @@ class ShardedLoader(DataLoader):
     def samples_in_step(self, samples_in_epoch: int) -> int:
         return self.samples_per_step
 
+    def samples_in_steps(self, steps: int) -> int:  # the first `steps` steps' (--max-steps): what the schedule spans
+        return steps * self.samples_per_step
+
+    def steps_to(self, samples: int, progress: Any) -> int:  # from where `progress` stands until `samples` in all
+        return max(math.ceil((samples - progress.samples_seen) / self.samples_per_step), 0)
+
 
 class TaskBatches:
     """The batch sampler of a task that makes its own batches (Task.batches: length buckets, a token budget, any
@@ -205,6 +211,12 @@ class TaskBatches:
                              "each rank seeds apart (draw from options.seed and the epoch, a torch.Generator of "
                              "their own), or the rank itself; make them from what every rank shares")
         saved, self.saved = self.saved, None
+        tail = len(self.batches(epoch)) % (self.world_size * self.grad_accum)
+        if tail and not samples_in_epoch:  # said when it happens, each epoch: no sample is dropped unsaid
+            log.info("epoch %d: Task.batches' last %d batch(es) (%d samples) fill no whole step of %d ranks x "
+                     "--grad-accum %d and are not trained (a multiple of %d batches trains them all)", epoch, tail,
+                     sum(self.batch_sizes(epoch)[-tail:]), self.world_size, self.grad_accum,
+                     self.world_size * self.grad_accum)
         if saved is not None and saved["epoch"] == epoch and saved["batches"] != self.digest(epoch):
             raise UsageError(f"Task.batches makes other batches for epoch {epoch} than the run that wrote the "
                              f"checkpoint, so its count of samples trained on names no place in them: "
@@ -264,21 +276,37 @@ class TaskBatchLoader(DataLoader):
         them all, also the untrained tail of an epoch (steps_in_epochs), so that it is the same at any world size."""
         return sum(sum(self.batch_sampler.batch_sizes(epoch)) for epoch in range(epochs))
 
-    def steps_in_epochs(self, epochs: int) -> int:
-        """The steps of `epochs` epochs at this world size, each epoch's own. An epoch ends where a whole step no
-        longer fits: what is left of it is said once, in one line, and not trained."""
-        per_step = self.batch_sampler.world_size * self.batch_sampler.grad_accum
-        steps, tail_batches, tail_samples = 0, 0, 0
-        for epoch in range(epochs):
-            sizes = self.batch_sampler.batch_sizes(epoch)
-            steps += len(sizes) // per_step
-            tail = sizes[len(sizes) // per_step * per_step:]
-            tail_batches, tail_samples = tail_batches + len(tail), tail_samples + sum(tail)
-        if tail_batches:
-            log.info("Task.batches: %d batch(es) (%d samples) at the ends of epochs 0-%d fill no whole step of %d "
-                     "ranks x %d micro-batches and are not trained (make each epoch's batch count a multiple of %d "
-                     "to train them all)", tail_batches, tail_samples, epochs - 1, self.batch_sampler.world_size,
-                     self.batch_sampler.grad_accum, per_step)
+    def steps_in_epochs(self, epochs: int) -> int:  # at this world size, each epoch's own
+        return sum(len(self.step_sizes(epoch)) for epoch in range(epochs))
+
+    def step_sizes(self, epoch: int, samples_in_epoch: int = 0) -> list[int]:
+        """Every rank's samples in each whole step of `epoch` at this world size, from `samples_in_epoch` on."""
+        sampler = self.batch_sampler
+        sizes, per_step = sampler.batch_sizes(epoch), sampler.world_size * sampler.grad_accum
+        first = bisect.bisect_left([0, *itertools.accumulate(sizes)], samples_in_epoch)
+        steps = [sum(sizes[start:start + per_step]) for start in range(first, len(sizes) - per_step + 1, per_step)]
+        if not steps and not samples_in_epoch:
+            raise UsageError(f"Task.batches made {len(sizes)} batch(es) for epoch {epoch}, not one whole step of "
+                             f"{sampler.world_size} ranks x --grad-accum {sampler.grad_accum}; make more batches, or "
+                             "train on fewer ranks")
+        return steps
+
+    def samples_in_steps(self, steps: int) -> int:  # the first `steps` steps' (--max-steps): what the schedule spans
+        samples, epoch = 0, 0
+        while steps > 0:
+            sizes = self.step_sizes(epoch)[:steps]
+            samples, steps, epoch = samples + sum(sizes), steps - len(sizes), epoch + 1
+        return samples
+
+    def steps_to(self, samples: int, progress: Any) -> int:
+        """Steps from where `progress` stands until `samples` in all are trained, epoch after epoch."""
+        steps, seen, epoch, into = 0, progress.samples_seen, progress.epoch, progress.samples_in_epoch
+        while seen < samples:
+            for size in self.step_sizes(epoch, into):
+                if seen >= samples:
+                    break
+                steps, seen = steps + 1, seen + size
+            epoch, into = epoch + 1, 0
         return steps
 
     @property
@@ -361,6 +389,15 @@ def build_loaders(train_set: Dataset{% if cookiecutter.use_streaming == "yes" %}
             f"the training set ({len(train_set)} samples) gives no full step of {options.grad_accum} x "
             f"{options.batch_size} samples per rank over {env.world_size} ranks; "
             "lower --batch-size or --grad-accum, or use more data")
+    # An epoch ends on a whole step: what is left is not trained (nor, where ranks are evened out, repeated) unsaid.
+    per_rank = math.ceil(len(train_set) / env.world_size)
+    trained = (per_rank - per_rank % sampler.rank_samples_per_step) * env.world_size
+    if trained != len(train_set):
+        log.info("each epoch trains %d samples of the training set's %d (%s): its steps are whole, %d ranks x %d "
+                 "samples each; other world sizes train other counts", trained, len(train_set),
+                 f"{len(train_set) - trained} of them, drawn anew each epoch, not" if trained < len(train_set)
+                 else f"{trained - len(train_set)} of them twice, to give every rank as many", env.world_size,
+                 sampler.rank_samples_per_step)
     return train_loader, eval_loader
 
 

@@ -102,15 +102,17 @@ def evaluate_on_every_rank(model: torch.nn.Module, loader, device: torch.device,
 
 def evaluation_due(options, progress, epoch_ended: bool, finished: bool) -> str:
     """What an evaluation after this step (or this epoch's end) closes, or "" where none is due: "interval" every
-    --eval-every-steps steps; else "epoch" every --eval-every epochs; "run" at the run's end where it closes
-    neither (--max-steps in mid-epoch): logged, but not judged by --keep-best and early stopping."""
+    --eval-every-steps steps; else "epoch" every --eval-every epochs; where the run ends closing neither, "stop"
+    at --stop-at-step, else "run": logged, but not judged by --keep-best and early stopping."""
     by_steps, by_epochs = options.eval_every_steps, options.eval_every
     on_interval = by_steps and progress.step % by_steps == 0  # at an epoch's end: evaluated after its last step
     if on_interval and not epoch_ended:
         return "interval"
     if by_epochs and not by_steps and epoch_ended and (progress.epoch % by_epochs == 0 or finished):
         return "epoch"
-    return "run" if finished and (by_steps or by_epochs) and not on_interval else ""
+    if not finished or not (by_steps or by_epochs) or on_interval:
+        return ""
+    return "stop" if options.stop_at_step is not None and progress.step >= options.stop_at_step else "run"
 
 
 def is_count(value) -> bool:

@@ -276,12 +276,12 @@ class TrainingMeter:
 
     def log_evaluation(self, step: int, epoch: int, metrics: dict[str, float], closes: str) -> None:
         """One line and one row of whatever task.summarize returned, e.g. eval loss 0.51 | accuracy 0.83, and what
-        the evaluation closes (an interval of --eval-every-steps, an epoch, the run in mid-interval)."""
+        the evaluation closes (an interval of --eval-every-steps, an epoch; in mid-interval the run or a stop)."""
         shown = " | ".join(f"{name} {value if isinstance(value, int) else f'{value:.4f}'}"  # a count as itself
                            for name, value in metrics.items() if name != self.unit)
         log.info("step %d | epoch %d | eval %s on %d held-out %s (closing %s)", step, epoch, shown,
                  metrics.get(self.unit, 0), self.unit, {"interval": "an interval", "epoch": "an epoch",
-                                                        "run": "the run"}.get(closes, closes))
+                                                        "run": "the run", "stop": "--stop-at-step's stop"}[closes])
         if self.metrics_log is not None:
             self.metrics_log.write("eval", step, metrics, closes=closes)
         self.paused += time.perf_counter() - max(self.last_step_end, self.started)

@@ -399,24 +399,6 @@ def check_coupled_batch(couples: str | None, keep: bool, model: torch.nn.Module,
         raise UsageError(f"{line} (Task.keep_coupled_batch)")
     log.warning("%s", line)
 
-{% if cookiecutter.use_streaming == "yes" %}
-def planned_steps(options: TrainOptions, steps_in_epochs: int | None, stream_steps: int | None = None) -> int:
-    """Optimizer steps this run will take at this world size: --epochs worth, or --max-steps if that comes first
-    (a streamed training set's epoch has no length known before it is read: `stream_steps`, the schedule's)."""
-    if steps_in_epochs is None:
-        return stream_steps or options.max_steps
-{%- else %}
-def planned_steps(options: TrainOptions, steps_in_epochs: int) -> int:
-    """Optimizer steps this run will take at this world size: --epochs worth, or --max-steps if that comes first."""
-{%- endif %}
-    total_steps = steps_in_epochs  # --epochs' steps at this world size, each epoch's own
-    if options.max_steps is not None and options.max_steps > total_steps:
-        log.info("--max-steps %d is past --epochs %d (%d steps at this world size): the run ends at step %d; "
-                 "raise --epochs for more (the lr schedule spans them)", options.max_steps, options.epochs,
-                 total_steps, total_steps)
-    return total_steps if options.max_steps is None else min(total_steps, options.max_steps)
-
-
 class LearningRateSchedule:
     """The lr as a function of the samples trained on (all ranks together), not of the optimizer step.
 
@@ -424,25 +406,19 @@ class LearningRateSchedule:
     takes other steps over the same data; a schedule over steps (torch's LambdaLR, with the step count restored)
     would then stand at the wrong fraction of the run: going from 1 rank to 2 halves the steps left, and the
     cosine reaches 0 halfway through. Here the lr of every step is the schedule's value at the middle of that
-    step's samples, the same at any world size. The decay spans --epochs; --max-steps only stops early, so
-    a run stopped by it and restarted with a larger one continues the same curve.
-{%- if cookiecutter.use_streaming == "yes" %}
+    step's samples, the same at any world size.
 
-    A streamed training set's epoch has no length known before it is read: there the decay, and the run
-    (stream_samples), span --max-steps steps of the world size the run started with, saved as samples: a resize
-    changes the number of steps left, not where the run ends or the lr at any sample count. A changed
-    --max-steps re-plans both, still in steps of the first world size.
-{%- endif %}
+    The schedule spans the run: --max-steps steps of the world size the run started with, saved as samples
+    (`run_samples`, where the run ends: a resize changes the steps left, not where the run ends or the lr at any
+    sample count); else --epochs, each epoch's own samples. A resume with another --max-steps re-plans from
+    there, in one line; --stop-at-step pauses a run without touching its schedule. Taking a step's middle,
+    neither the first update (warmup starts at 0) nor the last (cosine ends at 0) is wasted at lr 0.
 
-    Taking a step's middle, neither the first update (warmup starts at 0) nor the last (cosine ends at 0) is
-    wasted at lr 0.
+    Saved in checkpoints: the run's length and the warmup's, in samples. --warmup-steps counts steps of the
+    world size the run started with; a resume on another one keeps the warmup it started, unless --warmup-steps
+    itself changed. The peak lr is not restored: it is what task.py's optimizer was built with in this run."""
 
-    Saved in checkpoints: the warmup's length in samples. --warmup-steps counts steps of the world size the run
-    started with; a resume on another one keeps the warmup it started, unless --warmup-steps itself changed.
-    The peak lr is not restored: it is what task.py's optimizer was built with in this run (--lr)."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, options: TrainOptions,
-                 samples_in_epochs: int{% if cookiecutter.use_streaming == "yes" %} | None{% endif %}, samples_per_step: int):
+    def __init__(self, optimizer: torch.optim.Optimizer, options: TrainOptions, loader: Any):
         self.optimizer = optimizer
         self.peaks = [group["lr"] for group in optimizer.param_groups]
         self.logged_peak = options.lr  # the lr logged is --lr on the schedule, whatever each group's own is
@@ -451,30 +427,18 @@ class LearningRateSchedule:
                      "(what build_optimizer gave them), each on the same schedule", options.lr, len(self.peaks),
                      min(self.peaks), max(self.peaks))
         self.decay = options.lr_schedule
-{%- if cookiecutter.use_streaming == "yes" %}
-        self.spans_steps = None if samples_in_epochs is not None else options.max_steps
-        self.samples_per_step = samples_per_step
-        self.total_samples = (samples_in_epochs if samples_in_epochs is not None
-                              else options.max_steps * samples_per_step)
-{%- else %}
-        self.total_samples = samples_in_epochs  # --epochs', each epoch's own
-{%- endif %}
+        self.spans_steps = options.max_steps  # None: the run spans --epochs
+        self.total_samples = (loader.samples_in_epochs(options.epochs) if options.max_steps is None
+                              else loader.samples_in_steps(options.max_steps))  # all ranks'
+        self.replanned = ""  # what a resume with another run length did to the schedule
         self.warmup_steps = options.warmup_steps
         self.warmup_samples = (self.total_samples // 20 if options.warmup_steps is None
-                               else options.warmup_steps * samples_per_step)
-{%- if cookiecutter.use_streaming == "yes" %}
+                               else options.warmup_steps * loader.samples_per_step)  # (Task.batches': a mean)
 
     @property
-    def stream_samples(self) -> int | None:
-        """A streamed run's length in samples; None where the decay spans --epochs."""
+    def run_samples(self) -> int | None:
+        """The run's length in samples where --max-steps sets it, else None (--epochs)."""
         return self.total_samples if self.spans_steps is not None else None
-
-    def stream_steps(self, steps_done: int, samples_seen: int) -> int | None:
-        """The step a streamed run ends at, at this world size; None where the decay spans --epochs."""
-        if self.spans_steps is None:
-            return None
-        return steps_done + max(math.ceil((self.total_samples - samples_seen) / self.samples_per_step), 0)
-{%- endif %}
 
     def set_lr(self, samples_seen: float) -> float:
         """Set every param group's lr to the schedule's at `samples_seen` samples (a step's middle); returns --lr's
@@ -485,24 +449,42 @@ class LearningRateSchedule:
         return self.logged_peak * multiplier
 
     def state_dict(self) -> dict:
-{%- if cookiecutter.use_streaming == "yes" %}
-        state = {"warmup_steps": self.warmup_steps, "warmup_samples": self.warmup_samples}
-        if self.spans_steps is not None:  # a stream's: --max-steps, in samples
-            state |= {"spans_steps": self.spans_steps, "total_samples": self.total_samples}
-        return state
-{%- else %}
-        return {"warmup_steps": self.warmup_steps, "warmup_samples": self.warmup_samples}
-{%- endif %}
+        return {"warmup_steps": self.warmup_steps, "warmup_samples": self.warmup_samples,
+                "spans_steps": self.spans_steps, "total_samples": self.total_samples}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("warmup_steps", "not saved") == self.warmup_steps:
             self.warmup_samples = state["warmup_samples"]
-{%- if cookiecutter.use_streaming == "yes" %}
-        if self.spans_steps is not None and "spans_steps" in state:
-            first_step = state["total_samples"] // state["spans_steps"]  # samples a step when the run started
-            self.total_samples = self.spans_steps * first_step
-            if first_step != self.samples_per_step:
-                log.info("this stream's run is --max-steps %d steps of %d samples (its first world size's): it "
-                         "ends once %d samples are trained, %d a step now", self.spans_steps, first_step,
-                         self.total_samples, self.samples_per_step)
-{%- endif %}
+        saved_steps = state.get("spans_steps", "old")  # not saved: from when --max-steps only stopped a run
+        if saved_steps == self.spans_steps or (saved_steps == "old" and self.spans_steps is None):
+            if saved_steps not in (None, "old"):  # (--epochs' are counted again: a changed one re-plans)
+                self.total_samples = state["total_samples"]  # in samples of the first world size's steps
+            return
+        if self.spans_steps is not None and isinstance(saved_steps, int):  # steps of the first world size's size
+            self.total_samples = self.spans_steps * state["total_samples"] // saved_steps
+        before = "--epochs" if not isinstance(saved_steps, int) else f"--max-steps {saved_steps}"
+        now = "--epochs" if self.spans_steps is None else f"--max-steps {self.spans_steps}"
+        old = " (a checkpoint from before --max-steps set the run's length)" if saved_steps == "old" else ""
+        keep = f"; to keep the old one, pass {before} --stop-at-step N" if isinstance(saved_steps, int) else ""
+        self.replanned = (f"the lr schedule spanned {before}{old}; it now spans {now} ({self.total_samples} "
+                          f"samples), the lr from here on that curve{keep}")  # said once the limits are accepted
+
+
+def planned_steps(options: TrainOptions, loader: Any, progress: Any, lr_schedule: LearningRateSchedule) -> int:
+    """The step this run ends at, at this world size (the progress bar's end): once the schedule's `run_samples`
+    are trained (--max-steps'), else after --epochs, each epoch's own steps; or at --stop-at-step. A limit the
+    checkpoint already passed is refused (the run would end at once), before the schedule says what it became."""
+    run_samples = lr_schedule.run_samples
+    if run_samples is not None and progress.samples_seen > run_samples:
+        needed = math.ceil(progress.samples_seen * options.max_steps / run_samples)
+        raise UsageError(f"--max-steps {options.max_steps} ends the run before the {progress.step} steps the "
+                         f"checkpoint already holds; pass --max-steps {needed} or more to go on, or another "
+                         "--ckpt-dir to start over")
+    if options.stop_at_step is not None and options.stop_at_step < progress.step:
+        raise UsageError(f"--stop-at-step {options.stop_at_step} is below the {progress.step} steps the checkpoint "
+                         f"already holds; pass --stop-at-step {progress.step + 1} or more, or leave it out")
+    if lr_schedule.replanned:
+        log.info("%s", lr_schedule.replanned)
+    end = (loader.steps_in_epochs(options.epochs) if run_samples is None
+           else progress.step + loader.steps_to(run_samples, progress))
+    return end if options.stop_at_step is None else min(end, options.stop_at_step)

@@ -61,8 +61,8 @@ class SelectionOptions:
     keep_best: str | None = option(
         None, "METRIC:min or METRIC:max (loss:min, accuracy:max: a metric the evaluation reports): after each "
         "evaluation that closes an epoch (--eval-every) or an interval (--eval-every-steps) and beats every one "
-        "before, save a checkpoint, which retention never deletes; CKPT_DIR/best.json names it (the run's last "
-        "evaluation, where --max-steps ends it in mid-interval, is logged, not judged)"
+        "before, save a checkpoint, which retention never deletes; CKPT_DIR/best.json names it (one at the run's end "
+        "or at --stop-at-step in mid-interval is logged, not judged)"
 {%- if cookiecutter.use_export == "yes" %}
         " and `export --best CKPT_DIR` writes it"
 {%- endif %})
@@ -103,14 +103,17 @@ class TrainOptions:
 
     epochs: int = option(10, "passes over the training set")
     max_steps: int | None = option(
-        None, "stop after this many optimizer steps in total (default: no limit); the lr schedule still spans "
-        "--epochs, so a run stopped here and restarted with a larger value continues unchanged")
+        None, "the run's length in optimizer steps, in place of --epochs: the lr warmup and decay span them and "
+        "the run ends there, after as many epochs as they take (counted at the world size the run starts on)")
+    stop_at_step: int | None = option(
+        None, "stop after this optimizer step and save, the lr schedule unchanged: a run paused, resumed later "
+        "with a larger value or without it")
     batch_size: int = option(64, "samples per rank per step (the task's collate makes them one batch); the global "
                              "batch is this times the world size")
     lr: float = option(0.01, "peak learning rate: task.py's build_optimizer starts from it, the schedule scales it")
     lr_schedule: Literal["cosine", "constant"] = option(
-        "cosine", "after warmup: cosine decay to 0 at the end of --epochs, or constant")
-    warmup_steps: int | None = option(None, "optimizer steps of linear warmup (default: 5%% of --epochs)")
+        "cosine", "after warmup: cosine decay to 0 at the run's end (--max-steps, else --epochs), or constant")
+    warmup_steps: int | None = option(None, "optimizer steps of linear warmup (default: 5%% of the run)")
     grad_accum: int = option(
         1, "micro-batches per optimizer step; gradients are all-reduced once per step, so a step trains on "
         "--batch-size x world size x this samples: the update of one such batch only where samples are "
@@ -175,8 +178,9 @@ class TrainOptions:
         for name, value in at_least_one.items():
             if value < 1:
                 raise UsageError(f"--{flag(name)} must be >= 1, got {value}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise UsageError(f"--max-steps must be >= 1 (or left out for no limit), got {self.max_steps}")
+        for name in ("max_steps", "stop_at_step"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise UsageError(f"--{flag(name)} must be >= 1 (or left out), got {getattr(self, name)}")
         if self.eval_every < 0:
             raise UsageError(f"--eval-every must be >= 0 (0: never), got {self.eval_every}")
         if self.eval_every_steps < 0:

@@ -290,10 +290,16 @@ class StreamLoader:
         self.corpus = hashlib.sha256(repr(dataset.pieces).encode()).hexdigest()[:16]
         self.resumed = False  # this epoch continues a saved position (which may stand at its very end)
 
-    def samples_in_epochs(self, epochs: int) -> None:  # known only once read: the lr schedule spans --max-steps
-        return None
+    def samples_in_epochs(self, epochs: int) -> None:  # not known before it is read: the run spans --max-steps
+        raise UsageError("a streamed training set's run is --max-steps long, not --epochs")
 
     steps_in_epochs = samples_in_epochs
+
+    def samples_in_steps(self, steps: int) -> int:  # the first `steps` steps' (--max-steps): what the schedule spans
+        return steps * self.samples_per_step
+
+    def steps_to(self, samples: int, progress) -> int:  # from where `progress` stands until `samples` in all
+        return max(math.ceil((samples - progress.samples_seen) / self.samples_per_step), 0)
 
     @property
     def samples_per_step(self) -> int:  # all ranks together

@@ -98,7 +98,8 @@ def checkpoint_mismatch(path: Path, error: Exception) -> UsageError:
 
 # What a changed option does to a resumed run, where that is not plain from its --help.
 EFFECT_OF_CHANGING = {
-    "epochs": "the LR schedule is re-planned over the new --epochs from this sample on",
+    "epochs": "the LR schedule is re-planned over the new --epochs from this sample on, unless --max-steps sets "
+              "the run's length",
     "lr": "the LR schedule continues from this sample towards the new peak",
     "lr_schedule": "the new schedule applies from this sample on",
     "warmup_steps": "the warmup is re-planned in steps of this run's size",
@@ -109,7 +110,8 @@ EFFECT_OF_CHANGING = {
                   "follows samples and continues unchanged",
 }
 # Expected to change between runs of one job; not worth a line.
-CHANGED_BY_EVERY_RESUME = ("max_steps", "ckpt_dir", "resume_changed_state")
+CHANGED_BY_EVERY_RESUME = ("max_steps", "stop_at_step", "ckpt_dir", "resume_changed_state")  # --max-steps: the lr
+# schedule says what a new run length does
 
 
 def check_resumed_options(saved: dict | None, recorded: RecordedOptions, source: Path) -> list[str]:
@@ -364,10 +366,6 @@ class Checkpointer:
         saved = state["progress"]
         progress = progress_type(**{spec.name: saved[spec.name] for spec in fields(progress_type)
                                     if spec.name in progress_fields})
-        max_steps = self.recorded.values.get("max_steps")  # a stream's counts steps of its first world size
-        if max_steps is not None and max_steps < progress.step and "stream_position" not in self.components:
-            raise UsageError(f"--max-steps {max_steps} is below the {progress.step} steps {source} already holds; "
-                             f"pass --max-steps {progress.step} or more to go on, or another --ckpt-dir to start over")
         self.last_saved = self.saved_as(progress)
         log.info("resuming from %s (step %d, epoch %d, %d samples into the epoch, %d in all, saved by %d ranks)",
                  source, progress.step, progress.epoch, progress.samples_in_epoch, progress.samples_seen,
@@ -376,8 +374,7 @@ class Checkpointer:
         if saved["world_size"] != self.env.world_size:
             log.info("%d ranks instead of %d: a step is now another number of samples; the lr schedule follows "
                      "samples seen and continues unchanged, %s", self.env.world_size, saved["world_size"],
-                     "and so does the run's length: a stream's --max-steps counts steps of its first world size"
-                     if "stream_position" in self.components else "--max-steps still counts steps")
+                     "and so does the run's length: --max-steps counts steps of the first world size")
         return progress
 
     def record_config(self) -> None:
