@@ -35,7 +35,7 @@ DEFAULT_FILES = {
                                      "performance", "several-machines")),
     *(f"examples/{name}/{file}" for name in ("regression", "dict-batches", "whole-set-metric", "gan", "distillation",
                                              "lora", "two-optimizers", "ema", "loss-weight", "contrastive",
-                                             "mixture-of-experts")
+                                             "mixture-of-experts", "curriculum")
       for file in ("README.md", "change.diff")),
     "tests/harness.py", "tests/test_smoke.py",
     *(f"ddp_training/{name}.py" for name in

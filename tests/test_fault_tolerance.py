@@ -465,9 +465,11 @@ def test_resume_lists_changed_options_and_refuses_a_changed_model(default_projec
     assert plain(max_steps=2).returncode == 0
     changed = plain(max_steps=3, lr=0.02, epochs=3)
     assert changed.returncode == 0, changed.stderr
+    assert ("the lr schedule spanned --max-steps 2; it now spans --max-steps 3 (24 samples), the lr from here on "
+            "that curve; to keep the old one, pass --max-steps 2 --stop-at-step N") in changed.stderr, changed.stderr
     [line] = [line for line in changed.stderr.splitlines() if "resuming with changed options" in line]
     assert "--lr 0.01 -> 0.02" in line and "--epochs 10 -> 3 (the LR schedule is re-planned" in line
-    assert "max-steps" not in line  # raising the step limit is how every resume goes on
+    assert "--max-steps 2" not in line  # its own line says what the schedule becomes
     other_model = plain(max_steps=4, model="resnet18")
     assert other_model.returncode == 1
     assert other_model.stderr.strip().splitlines()[-1] == (

@@ -406,7 +406,7 @@ def test_the_dict_batch_example_trains_resumes_and_counts_words(bake, tmp_path):
     resized.mkdir()
     shutil.copy(tmp_path / "uninterrupted" / "step-4.pt", resized)
     result = run([sys.executable, "train.py", *smoke_test_args(project), *flags(
-        ckpt_dir=resized, max_steps=10, sample_log=tmp_path / "samples")], cwd=project)
+        ckpt_dir=resized, max_steps=24, stop_at_step=10, sample_log=tmp_path / "samples")], cwd=project)
     assert result.returncode == 0, result.stderr[-3000:]
     trained = [int(line) for line in (tmp_path / "samples" / "rank-0.txt").read_text().split()]
     assert trained == [index for batch in batches[8:14] for index in batch]
@@ -420,6 +420,50 @@ def test_the_dict_batch_example_trains_resumes_and_counts_words(bake, tmp_path):
     assert sharded["model"].keys() == final["model"].keys()
     for name, tensor in final["model"].items():
         assert (sharded["model"][name] - tensor).abs().max() < 1e-5, name
+
+
+@pytest.mark.slow
+def test_the_curriculum_example_learns_its_stage_and_resumes_it_after_kill_9_and_a_resize(bake, tmp_path):
+    """examples/curriculum: a stage the run learns from the held-out loss (Task.data_stage), decided after an
+    evaluation, saved, and handed to persistent loader workers with each sample; a kill -9 right before it fired
+    resumes bitwise, a resize to 1 rank (loader in the training process) raises it at the same steps; a stage a
+    rank decides alone stops the job in one line."""
+    project = bake(project_name="Curriculum")
+    apply_example(project, "curriculum")
+    args = [*smoke_test_args(project), *flags(num_workers=1, eval_every_steps=8, max_steps=48, log_every=8,
+                                              ckpt_every=8, keep_checkpoints=100)]
+    uninterrupted = run_job(project, [*args, *flags(ckpt_dir=tmp_path / "uninterrupted")])
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-4000:]
+    raised = re.findall(r"step (\d+): data stage (\d+), from the next step on", uninterrupted.stderr)
+    assert raised == [("16", "1"), ("24", "2")], uninterrupted.stderr[-4000:]
+    stages = {step: checkpoint(tmp_path / "uninterrupted", step)["data_stage"]["stage"] for step in (8, 16, 24, 48)}
+    assert stages == {8: 0, 16: 0, 24: 1, 48: 2}  # saved before the evaluation that raises it, which a resume redoes
+    # Killed at step 16's checkpoint, before its evaluation raised the stage: the resume evaluates again, decides
+    # the same stage, and reads the epoch's rest with it.
+    killed = start_job(project, [*args, *flags(ckpt_dir=tmp_path / "killed")], max_restarts=1)
+    output = kill_a_worker_and_finish(killed, tmp_path / "killed" / "step-16.pt")
+    assert "step 16: data stage 1" in output.split("restart=1", 1)[1], output[-4000:]
+    assert_bitwise_equal(checkpoint(tmp_path / "killed", 48), checkpoint(tmp_path / "uninterrupted", 48))
+    # 1 rank of 32 samples from step 16: the same global batch and stages, the loader in the training process.
+    resized = tmp_path / "resized"
+    resized.mkdir()
+    shutil.copy(tmp_path / "uninterrupted" / "step-16.pt", resized)
+    one_rank = run([sys.executable, "train.py", *args, *flags(batch_size=32, num_workers=0, ckpt_dir=resized)],
+                   cwd=project)
+    assert one_rank.returncode == 0, one_rank.stderr[-3000:]
+    assert re.findall(r"step (\d+): data stage (\d+)", one_rank.stderr) == raised, one_rank.stderr[-3000:]
+    end, expected = checkpoint(resized, 48), checkpoint(tmp_path / "uninterrupted", 48)
+    assert (end["data_stage"], end["samples_seen"]) == (expected["data_stage"], expected["samples_seen"])
+    # (Not the same weights: its loss is a mean over each rank's words, which a resize weighs otherwise.)
+    # A stage each rank decides from what it alone holds (here its rank) would train other data on each.
+    local = with_task_code(project, tmp_path, "\nimport dataclasses as _dataclasses\nimport os as _os\n\n"
+                           "TASK = _dataclasses.replace(TASK, data_stage=lambda stage, results, options: "
+                           "next_stage(stage, results, options) + int(_os.environ['RANK']))\n")
+    refused = run_job(local, [*args, *flags(ckpt_dir=tmp_path / "local")])
+    line = ("error: Task.data_stage decided other stages on the ranks (0, 1); decide from the evaluation results it "
+            "is given, the same on every rank, not from a rank's own loss, data or generator")
+    assert refused.returncode != 0 and refused.stderr.count(line) == 1, refused.stderr[-3000:]
+    assert "data stage" not in refused.stderr and not (tmp_path / "local" / "step-16.pt").exists()
 
 
 # The example's summarize, checked: one row per evaluated sample (the sums count 129 held-out samples: the log

@@ -673,9 +673,48 @@ def base_file(folder: Path) -> list[str]:
     (IMAGE_SMOKE_ARGS, IMAGE_SMOKE_ARGS.replace('"small_cnn"', '"lora"').replace('"0.005"', '"0.03"')),
 ]}
 
+def curriculum_edit(old: str, new: str) -> tuple[str, str]:
+    """One of TAGGER's edits made a curriculum's: the template's sampler in place of Task.batches, sentences cut to
+    the stage's length in the training set, and the rule that raises the stage."""
+    if "\n\ndef length_buckets" in new:
+        new = new.replace(new[new.index("\n\ndef length_buckets"):new.index("\n\ndef collate")], "")
+    new = new.replace('''of the word before: a dict of tensors per sample, and batches of many lengths."""
+
+    def __init__(self, size: int, tags: int, seed: int):
+        self.size, self.tags, self.seed = size, tags, seed
+''', '''of the word before: a dict of tensors per sample. A curriculum: at stage s, only their first 4 x (s + 1) words
+    (Task.data_stage raises the stage; set_stage is called with it in the process that loads each sample)."""
+
+    def __init__(self, size: int, tags: int, seed: int):
+        self.size, self.tags, self.seed = size, tags, seed
+        self.longest = 12  # whole sentences: the held-out set's, never staged
+
+    def set_stage(self, stage: int) -> None:
+        self.longest = 4 * (stage + 1)
+''')
+    new = new.replace('''
+    def length(self, index: int) -> int:
+        return int(torch.randint(3, 13, (), generator=torch.Generator().manual_seed(self.seed * 1_000_003 + index)))
+''', "")
+    new = new.replace('''generator=generator)
+        before = ''', '''generator=generator)
+        words = words[:self.longest]
+        before = ''')
+    new = new.replace("    batches=length_buckets,\n", "    data_stage=next_stage,\n")
+    new = new.replace('''def units_in_batch(batch: dict[str, torch.Tensor]) -> torch.Tensor:''', '''def next_stage(stage: int, results: dict, options: TrainOptions) -> int:
+    """Task.data_stage: longer sentences once the held-out loss (on whole sentences, every rank's) is below 0.8."""
+    return min(stage + 1, 2) if results["loss"] < 0.8 else stage
+
+
+def units_in_batch(batch: dict[str, torch.Tensor]) -> torch.Tensor:''')
+    return old, new
+
+
+CURRICULUM = {"PACKAGE/task.py": [curriculum_edit(old, new) for old, new in TAGGER["PACKAGE/task.py"]]}
+
 RECIPES = {"regression": REGRESSION, "dict-batches": TAGGER, "whole-set-metric": AUC, "gan": ADVERSARIAL,
            "distillation": TEACHER, "ema": EMA, "two-optimizers": TWO_OPTIMIZERS, "loss-weight": LOSS_WEIGHT, "contrastive": CONTRASTIVE,
-           "mixture-of-experts": MIXTURE, "lora": LORA}
+           "mixture-of-experts": MIXTURE, "lora": LORA, "curriculum": CURRICULUM}
 
 
 def sorted_imports(project: Path, relative: str, text: str) -> str:

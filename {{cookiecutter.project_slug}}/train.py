@@ -227,6 +227,8 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
             else:
                 closes, progress.evaluation_due = progress.evaluation_due, ""
                 meter.log_evaluation(progress.step, progress.epoch, results, closes)
+                if task.data_stage is not None and closes in ("interval", "epoch"):  # a curriculum's next stage
+                    train_loader.set_stage(task.data_stage(train_loader.stage, results, options), progress.step)
                 # --keep-best judges the evaluations --eval-every(-steps) asks for: not one at an end in mid-interval.
                 if closes in ("interval", "epoch") and selection.judge(results, progress.step, stop.decided_by_rank_0):
                     with watchdog.slow_phase("saving the best checkpoint"):

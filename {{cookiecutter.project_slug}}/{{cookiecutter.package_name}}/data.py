@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
-from .engine.collectives import same_on_every_rank
+from .engine.collectives import all_gather_objects, same_on_every_rank
 from .engine.distributed import DistEnv
 from .engine.errors import UsageError
 from .engine.processes import detach_from_job_signals, start_forkserver_deaf_to_sigterm
@@ -43,7 +43,10 @@ def training_steps(loader: DataLoader, progress: Any, grad_accum: int) -> Iterat
             if len(micro_batches) == grad_accum:
                 yield micro_batches
                 micro_batches = []
-        yield None
+                if getattr(loader, "restart", False):  # a new data stage: the epoch's rest read anew with it
+                    break
+        else:
+            yield None
 
 
 class SeededSampleDataset(Dataset):
@@ -61,14 +64,16 @@ class SeededSampleDataset(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, key: tuple[int, int]):
-        epoch, index = key
+    def __getitem__(self, key: tuple):
+        epoch, index = key[:2]
         with torch.random.fork_rng(devices=[]):  # transforms draw from the global CPU generator
             # Not torch.manual_seed, which also seeds (lazily, expensively) every GPU backend: only the CPU
             # generator matters here.
             torch.default_generator.manual_seed(((self.seed * 1_000_003 + epoch) * 1_000_033 + index) % 2**63)
             if hasattr(self.dataset, "set_epoch"):  # told here, in the process that loads the sample: a worker,
-                self.dataset.set_epoch(epoch)  # persistent or not, never holds a stale epoch
+                self.dataset.set_epoch(epoch)  # persistent or not, never holds a stale epoch (or stage)
+            if len(key) > 2 and key[2] is not None:
+                self.dataset.set_stage(key[2])  # Task.data_stage's
             return self.dataset[index]
 
 
@@ -101,6 +106,7 @@ class ResumableDistributedSampler(DistributedSampler):
     def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int, rank_samples_per_step: int):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
         self.start_sample = 0
+        self.stage = None  # Task.data_stage's, carried to the dataset with each sample's key
         # This rank's share of a step: batch size x micro-batches. An epoch ends on a whole optimizer step, so
         # no half-accumulated gradient is left over (like drop_last, one level up).
         self.rank_samples_per_step = rank_samples_per_step
@@ -118,7 +124,7 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def __iter__(self):
         mine = self._remaining_indices()[self.rank::self.num_replicas][:len(self)]
-        return iter((self.epoch, index) for index in mine)  # (epoch, index) keys, for SeededSampleDataset
+        return iter((self.epoch, index, self.stage) for index in mine)  # keys for SeededSampleDataset
 
     def __len__(self) -> int:
         remaining = math.ceil((len(self.dataset) - self.start_sample) / self.num_replicas)
@@ -126,13 +132,37 @@ class ResumableDistributedSampler(DistributedSampler):
 
 
 class ShardedLoader(DataLoader):
-    """The training DataLoader of a map-style set: it knows where an epoch starts."""
+    """The training DataLoader of a map-style set: it knows where an epoch starts, and the data stage it hands out
+    (Task.data_stage's)."""
 
-    position_entry = None  # its position is TrainingProgress's sample count: nothing more to save
+    position_entry = None  # its position is TrainingProgress's sample count; "data_stage" with a stage to save
+    restart = False  # the epoch's samples read on anew from the next step, with a new stage
 
     def start_epoch(self, epoch: int, samples_in_epoch: int) -> None:
         """Mid-epoch resume: skip exactly the samples this epoch has already trained on, on any world size."""
         self.sampler.set_epoch(epoch, start_sample=samples_in_epoch)
+        self.restart = False
+
+    @property
+    def stage(self):
+        return self.sampler.stage
+
+    def set_stage(self, stage, step: int) -> None:
+        """Task.data_stage's stage from the next step on (read on from there, in every loader worker), the same
+        on every rank: one a rank decided from what it alone holds would train other data on each."""
+        if len(set(stages := [repr(each) for each in all_gather_objects(stage)])) > 1:
+            raise UsageError(f"Task.data_stage decided other stages on the ranks ({', '.join(stages)}); decide from "
+                             "the evaluation results it is given, the same on every rank, not from a rank's own "
+                             "loss, data or generator")
+        if stage != self.sampler.stage:
+            log.info("step %d: data stage %r, from the next step on (Task.data_stage)", step, stage)
+            self.sampler.stage, self.restart = stage, True
+
+    def state_dict(self) -> dict:
+        return {"stage": self.sampler.stage}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.stage = state["stage"]
 
     def samples_in_epochs(self, epochs: int) -> int:  # all ranks together: what the lr schedule spans
         return epochs * len(self.dataset)
@@ -377,13 +407,15 @@ def build_loaders(train_set: Dataset{% if cookiecutter.use_streaming == "yes" %}
                              f"than one step takes ({env.world_size} ranks x --grad-accum {options.grad_accum})")
         return TaskBatchLoader(seeded, batch_sampler=task_batches, generator=torch.Generator().manual_seed(
             options.seed), **unbatched, **read_ahead), eval_loader
-    train_set = seeded
+    staged, train_set = hasattr(train_set, "set_stage"), seeded
     sampler = ResumableDistributedSampler(train_set, env.world_size, env.rank, seed=options.seed,
                                           rank_samples_per_step=options.batch_size * options.grad_accum)
     # drop_last keeps every step's batch the same size on every rank.
     # Workers read a whole step ahead: the step starts once its --grad-accum micro-batches are in.
     train_loader = ShardedLoader(train_set, sampler=sampler, drop_last=True,
                                  generator=torch.Generator().manual_seed(options.seed), **common, **read_ahead)
+    if staged:  # Task.data_stage's stage: 0 until it decides another, saved in checkpoints
+        sampler.stage, train_loader.position_entry = 0, "data_stage"
     if len(train_loader) == 0:
         raise UsageError(
             f"the training set ({len(train_set)} samples) gives no full step of {options.grad_accum} x "

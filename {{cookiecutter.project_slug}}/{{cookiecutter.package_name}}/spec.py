@@ -121,6 +121,12 @@ class Task:
     # from options.seed and epoch; --batch-size is then unused). Ranks take them in turn, --grad-accum each a
     # step; samples seen and the lr schedule count what they hold; the held-out set's (epoch 0's) too.
     batches: Callable[[Dataset, TrainOptions, int], list[list[int]]] | None = None
+    # A value the training data depends on that the run learns (a curriculum stage, raised as the loss falls):
+    # data_stage(stage, results, options) -> the stage from the next step on, given the last one (0 at the start)
+    # and the results of each evaluation that closes an interval or an epoch (summarize's, the same on every rank:
+    # decide from them alone). Saved with every checkpoint; the training set's set_stage(stage) is called with
+    # it in the process that loads each sample. For a map-style training set without Task.batches.
+    data_stage: Callable[[Any, dict, TrainOptions], Any] | None = None
     # A step may leave some trained parameters without a gradient (a mixture of experts whose router sends no
     # token to an expert, a branch taken on some steps): DDP then looks for them after every forward, a little
     # slower (find_unused_parameters). Without it such a step stops the job at the replica check, naming them.
@@ -196,7 +202,12 @@ class Task:
         if prepare is not None:
             run_once_per_storage(options.task.data_dir, env, device, lambda: prepare(options),
                                  what=f"preparing --data {options.task.data} in {options.task.data_dir}")
-        return self.datasets[options.task.data](options)
+        train_set, eval_set = self.datasets[options.task.data](options)
+        if self.data_stage is not None and (self.batches is not None or not hasattr(train_set, "set_stage")):
+            raise UsageError("task.py: Task(data_stage=...) hands its stage to the training set's set_stage(stage), "
+                             f"sampled by train.py (without Task.batches): give --data {options.task.data}'s training "
+                             "set that method")
+        return train_set, eval_set
 
     def build_state(self, model: nn.Module, options: TrainOptions, taken: set[str]) -> dict[str, Any]:
         """The task's state (Task.state), checked: every entry saveable, none named like one of `taken` (the
