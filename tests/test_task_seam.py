@@ -297,6 +297,9 @@ def test_evaluation_sums_any_shape_and_a_collective_in_it_does_not_hang(default_
     result = run_job(project, tiny_run(fake_samples=516, num_workers=0, max_steps=4, io_timeout=60,
                                        ckpt_dir=tmp_path / "c"), timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
+    # 516 training samples on 2 ranks of 8 a step: an epoch's last 4 fill no step, which is said, not left out unsaid.
+    assert ("each epoch trains 512 of the training set's 516 samples, in whole steps of 2 rank(s) x 8; the other 4, "
+            "drawn anew each epoch, are not trained (other world sizes, other counts)") in result.stderr
     [line] = [line for line in result.stderr.splitlines() if "eval loss" in line]
     metrics = dict(re.findall(r"(\w+) ([\d.]+)", line.split("eval ", 1)[1]))
     assert line.endswith("on 129 held-out samples (closing the run)"), line

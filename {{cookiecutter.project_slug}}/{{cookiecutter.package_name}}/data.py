@@ -425,11 +425,10 @@ def build_loaders(train_set: Dataset{% if cookiecutter.use_streaming == "yes" %}
     per_rank = math.ceil(len(train_set) / env.world_size)
     trained = (per_rank - per_rank % sampler.rank_samples_per_step) * env.world_size
     if trained != len(train_set):
-        log.info("each epoch trains %d samples of the training set's %d (%s): its steps are whole, %d ranks x %d "
-                 "samples each; other world sizes train other counts", trained, len(train_set),
-                 f"{len(train_set) - trained} of them, drawn anew each epoch, not" if trained < len(train_set)
-                 else f"{trained - len(train_set)} of them twice, to give every rank as many", env.world_size,
-                 sampler.rank_samples_per_step)
+        log.info("each epoch trains %d of the training set's %d samples, in whole steps of %d rank(s) x %d; %s (other "
+                 "world sizes, other counts)", trained, len(train_set), env.world_size, sampler.rank_samples_per_step,
+                 f"the other {len(train_set) - trained}, drawn anew each epoch, are not trained"
+                 if trained < len(train_set) else f"{trained - len(train_set)} of them twice, to even out the ranks")
     return train_loader, eval_loader
 
 
