@@ -549,7 +549,7 @@ def test_networks_stepped_in_turn_and_a_frozen_teacher_need_task_py_alone(bake, 
     steps = (task_field(project, "smoke_test_learning") or (20,))[0]  # as the project's tests run it
     uninterrupted = checkpoint_state(tmp_path / "own" / "checkpoints0", steps, tmp_path)
     killed = start_job(project, [*smoke_test_args(project), "--strategy", "fsdp2", *flags(
-        ckpt_dir=tmp_path / "fsdp2", max_steps=steps, ckpt_every=2, log_every=1)], max_restarts=1)
+        ckpt_dir=tmp_path / "fsdp2", stop_at_step=steps, ckpt_every=2, log_every=1)], max_restarts=1)
     output = kill_a_worker_and_finish(killed, tmp_path / "fsdp2" / "step-2")  # a checkpoint every 2: an early kill
     resumed = checkpoint_state(tmp_path / "fsdp2", steps, tmp_path)
     for entry in ("model", "cpu_rng_states", "torch_rng_state", "lr_schedule", "selection"):

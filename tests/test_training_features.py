@@ -95,7 +95,8 @@ def test_mixed_precision_with_accumulation_and_clipping_learns_and_records_metri
     state = checkpoint(ckpt_dir, 48)
     assert state["samples_seen"] == 1536  # the schedule's position, for an exact resume at any world size
     assert not state["evaluation_due"], "the run's end was evaluated before its last checkpoint"
-    assert state["lr_schedule"] == {"warmup_steps": 2, "warmup_samples": 64}
+    assert state["lr_schedule"] == {"warmup_steps": 2, "warmup_samples": 64, "spans_steps": None,
+                                    "total_samples": 1536}  # the run's length: --epochs
     if precision == "fp16":
         assert state["grad_scaler"]["scale"] > 0, "the gradient scaler's state is saved for an exact resume"
 

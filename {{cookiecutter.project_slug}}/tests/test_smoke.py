@@ -24,7 +24,7 @@ def task_files(tmp_path_factory) -> list[str]:
 
 
 def tiny_run(ckpt_dir, task_files: list[str]) -> list[str]:
-    return [*TINY_RUN, *task_files, "--ckpt-dir", str(ckpt_dir), "--max-steps", str(STEPS), "--ckpt-every",
+    return [*TINY_RUN, *task_files, "--ckpt-dir", str(ckpt_dir), "--stop-at-step", str(STEPS), "--ckpt-every",
             str(HALF), "--log-every", "1"]
 
 

@@ -428,12 +428,13 @@ class LearningRateSchedule:
                      min(self.peaks), max(self.peaks))
         self.decay = options.lr_schedule
         self.spans_steps = options.max_steps  # None: the run spans --epochs
+        self.samples_per_step = loader.samples_per_step  # all ranks' (Task.batches': a mean)
         self.total_samples = (loader.samples_in_epochs(options.epochs) if options.max_steps is None
                               else loader.samples_in_steps(options.max_steps))  # all ranks'
         self.replanned = ""  # what a resume with another run length did to the schedule
         self.warmup_steps = options.warmup_steps
         self.warmup_samples = (self.total_samples // 20 if options.warmup_steps is None
-                               else options.warmup_steps * loader.samples_per_step)  # (Task.batches': a mean)
+                               else options.warmup_steps * self.samples_per_step)
 
     @property
     def run_samples(self) -> int | None:
@@ -458,7 +459,10 @@ class LearningRateSchedule:
         saved_steps = state.get("spans_steps", "old")  # not saved: from when --max-steps only stopped a run
         if saved_steps == self.spans_steps or (saved_steps == "old" and self.spans_steps is None):
             if saved_steps not in (None, "old"):  # (--epochs' are counted again: a changed one re-plans)
-                self.total_samples = state["total_samples"]  # in samples of the first world size's steps
+                if state["total_samples"] != self.total_samples:  # another world size's steps
+                    self.total_samples = state["total_samples"]  # in samples of the first world size's steps
+                    log.info("this run is --max-steps %d steps of its first world size: it ends once %d samples are "
+                             "trained, %d a step now", saved_steps, self.total_samples, self.samples_per_step)
             return
         if self.spans_steps is not None and isinstance(saved_steps, int):  # steps of the first world size's size
             self.total_samples = self.spans_steps * state["total_samples"] // saved_steps
