@@ -20,7 +20,8 @@ OPTIONAL_FILES = {"slurm/train.sbatch": "use_slurm", "k8s/pytorchjob.yaml": "use
                   "PACKAGE/replica_groups.py": "fault_tolerance=torchft", "docs/replica-groups.md": "fault_tolerance=torchft"}
 # Examples whose diffs edit the image task's task.py, kept only in its bakes.
 IMAGE_TASK_EXAMPLES = ["regression", "dict-batches", "whole-set-metric", "gan", "distillation", "lora", "two-optimizers",
-                       "ema", "contrastive", "mixture-of-experts", "curriculum"]
+                       "ema", "contrastive", "mixture-of-experts", "curriculum",
+                       "word-language-model"]
 
 
 def make_executable(path: Path) -> None:

@@ -35,7 +35,7 @@ DEFAULT_FILES = {
                                      "performance", "several-machines")),
     *(f"examples/{name}/{file}" for name in ("regression", "dict-batches", "whole-set-metric", "gan", "distillation",
                                              "lora", "two-optimizers", "ema", "loss-weight", "contrastive",
-                                             "mixture-of-experts", "curriculum")
+                                             "mixture-of-experts", "curriculum", "word-language-model")
       for file in ("README.md", "change.diff")),
     "tests/harness.py", "tests/test_smoke.py",
     *(f"ddp_training/{name}.py" for name in
@@ -44,7 +44,7 @@ DEFAULT_FILES = {
     *(f"ddp_training/engine/{name}.py" for name in
       ("__init__", "checkpoint/__init__", "checkpoint/common", "checkpoint/replicated", "checkpoint/sharded",
        "checkpoint/folder", "collectives", "distributed", "errors", "failure", "flags", "optimizers", "processes",
-       "replicas", "reproducibility", "watchdog")),
+       "replicas", "reproducibility", "task_state", "watchdog")),
 }
 
 # Every value class each answer admits; each is baked and checked.

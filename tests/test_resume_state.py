@@ -4,12 +4,24 @@ resumes its own random state: the GAN example's kill -9 test, whose ranks draw t
 
 from __future__ import annotations
 
+import io
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import BIN, checkpoint, run, run_job, tiny_run, with_task_code
+from helpers import (
+    BIN,
+    assert_bitwise_equal,
+    checkpoint,
+    checkpoint_state,
+    kill_a_worker_and_finish,
+    run,
+    run_job,
+    start_job,
+    tiny_run,
+    with_task_code,
+)
 
 pytestmark = pytest.mark.slow  # torchrun jobs: `make test-fast` leaves these out
 
@@ -274,3 +286,77 @@ def test_nothing_of_the_resumed_file_stays_mapped(default_project, tmp_path):
     assert not (ckpt_dir / "step-4.pt").exists()
     assert "mapped checkpoint files at step 10: []" in result.stderr, result.stderr[-3000:]
     assert checkpoint(ckpt_dir, 12)["optimizer"]["state"][0]["step"] == 12
+
+
+# A value each rank carries from step to step (the shape of a hidden state over a rank's own part of the data):
+# a count of steps and the rank's own number, summed. PER_RANK=0 gives it as a plain (replicated) entry.
+CARRIED_STATE = '''
+
+import dataclasses as _dataclasses
+import os as _os
+
+from ddp_training.engine.task_state import PerRank as _PerRank
+
+
+class _Carried:
+    def __init__(self):
+        self.count = torch.zeros(2)
+
+    def state_dict(self):
+        return {"count": self.count.clone()}
+
+    def load_state_dict(self, state):
+        self.count = state["count"].clone()
+
+
+def _state(model, options):
+    return {"carried": _PerRank(_Carried()) if _os.environ.get("PER_RANK", "1") == "1" else _Carried()}
+
+
+def _after_step(step):
+    entry = step.state["carried"]
+    (entry.value if isinstance(entry, _PerRank) else entry).count += torch.tensor([1.0, float(_os.environ["RANK"])])
+
+
+TASK = _dataclasses.replace(TASK, state=_state, after_step=_after_step)
+'''
+
+
+def carried(saved: dict) -> list[list[float]]:
+    """Each rank's saved count, in rank order."""
+    return [torch.load(io.BytesIO(rank), weights_only=True)["count"].tolist() for rank in saved["carried"]["ranks"]]
+
+
+def test_state_each_rank_keeps_resumes_on_its_own_rank_and_one_that_differs_unsaid_is_caught(default_project,
+                                                                                           tmp_path):
+    project = with_task_code(default_project, tmp_path, CARRIED_STATE)
+
+    def args(name: str, **more: object) -> list[str]:
+        return tiny_run(num_workers=0, max_steps=8, ckpt_every=4, ckpt_dir=tmp_path / name, **more)
+    reference = run_job(project, args("reference"))
+    assert reference.returncode == 0, reference.stderr[-4000:]
+    assert carried(checkpoint(tmp_path / "reference", 8)) == [[8, 0], [8, 8]]
+    # kill -9 after step 4: each rank resumes its own count (rank 0's on both would end [8, 4] on rank 1).
+    killed = start_job(project, args("killed"), max_restarts=1)
+    kill_a_worker_and_finish(killed, tmp_path / "killed" / "step-4.pt")
+    assert_bitwise_equal(checkpoint(tmp_path / "killed", 8), checkpoint(tmp_path / "reference", 8))
+    # Under FSDP2 (a DCP folder), paused at step 4 and resumed.
+    for stop_at_step in (4, None):
+        sharded = run_job(project, args("fsdp2", strategy="fsdp2", stop_at_step=stop_at_step))
+        assert sharded.returncode == 0, sharded.stderr[-4000:]
+    assert carried(checkpoint_state(tmp_path / "fsdp2", 8, tmp_path)) == [[8, 0], [8, 8]]
+    # One rank cannot take two ranks' counts: refused, naming the entry and what to pass.
+    shrunk = tmp_path / "shrunk"
+    shrunk.mkdir()
+    shutil.copy(tmp_path / "reference" / "step-4.pt", shrunk)
+    refused = run_job(project, args("shrunk"), nproc=1)
+    line = ("error: the task state 'carried' is per rank: the checkpoint holds 2 ranks' and this job has 1; resume on "
+            "2 ranks, or give PerRank(..., resplit=...) in task.py to make the new ranks' from the saved ones")
+    assert refused.returncode != 0 and refused.stderr.count(line) == 1, refused.stderr[-3000:]
+    # As a plain entry, saved from rank 0 for every rank: the first save stops the job instead.
+    plain = run_job(project, args("plain"), PER_RANK="0")
+    line = ("error: the task state 'carried' differs between ranks at a save, which keeps rank 0's for every rank: "
+            "update it from values every rank shares (all-reduced ones), or, if each rank keeps its own, give it as "
+            "PerRank(...) in Task(state=...)")
+    assert plain.returncode != 0 and plain.stderr.count(line) == 1, plain.stderr[-3000:]
+    assert not list((tmp_path / "plain").glob("step-*"))

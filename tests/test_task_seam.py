@@ -7,6 +7,7 @@ with a collective inside, do not hang."""
 from __future__ import annotations
 
 import importlib
+import io
 import math
 import random
 import re
@@ -17,6 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from helpers import (
     assert_bitwise_equal,
     assert_project_tests_pass,
@@ -427,7 +429,7 @@ def test_the_dict_batch_example_trains_resumes_and_counts_words(bake, tmp_path):
 
 @pytest.mark.slow
 def test_the_curriculum_example_learns_its_stage_and_resumes_it_after_kill_9_and_a_resize(bake, tmp_path):
-    """examples/curriculum: a stage the run learns from the held-out loss (Task.data_stage), decided after an
+    """examples/curriculum: a stage the run learns from the held-out loss (Task.after_evaluation), decided after an
     evaluation, saved, and handed to persistent loader workers with each sample; a kill -9 right before it fired
     resumes bitwise, a resize to 1 rank (loader in the training process) raises it at the same steps; a stage a
     rank decides alone stops the job in one line."""
@@ -437,15 +439,16 @@ def test_the_curriculum_example_learns_its_stage_and_resumes_it_after_kill_9_and
                                               ckpt_every=8, keep_checkpoints=100)]
     uninterrupted = run_job(project, [*args, *flags(ckpt_dir=tmp_path / "uninterrupted")])
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-4000:]
-    raised = re.findall(r"step (\d+): data stage (\d+), from the next step on", uninterrupted.stderr)
+    raised = re.findall(r"step (\d+): data_stage (\d+) from the next step on", uninterrupted.stderr)
     assert raised == [("16", "1"), ("24", "2")], uninterrupted.stderr[-4000:]
-    stages = {step: checkpoint(tmp_path / "uninterrupted", step)["data_stage"]["stage"] for step in (8, 16, 24, 48)}
+    stages = {step: checkpoint(tmp_path / "uninterrupted", step)["learned"]["values"].get("data_stage", 0)
+              for step in (8, 16, 24, 48)}
     assert stages == {8: 0, 16: 0, 24: 1, 48: 2}  # saved before the evaluation that raises it, which a resume redoes
     # Killed at step 16's checkpoint, before its evaluation raised the stage: the resume evaluates again, decides
     # the same stage, and reads the epoch's rest with it.
     killed = start_job(project, [*args, *flags(ckpt_dir=tmp_path / "killed")], max_restarts=1)
     output = kill_a_worker_and_finish(killed, tmp_path / "killed" / "step-16.pt")
-    assert "step 16: data stage 1" in output.split("restart=1", 1)[1], output[-4000:]
+    assert "step 16: data_stage 1" in output.split("restart=1", 1)[1], output[-4000:]
     assert_bitwise_equal(checkpoint(tmp_path / "killed", 48), checkpoint(tmp_path / "uninterrupted", 48))
     # 1 rank of 32 samples from step 16: the same global batch and stages, the loader in the training process.
     resized = tmp_path / "resized"
@@ -454,19 +457,41 @@ def test_the_curriculum_example_learns_its_stage_and_resumes_it_after_kill_9_and
     one_rank = run([sys.executable, "train.py", *args, *flags(batch_size=32, num_workers=0, ckpt_dir=resized)],
                    cwd=project)
     assert one_rank.returncode == 0, one_rank.stderr[-3000:]
-    assert re.findall(r"step (\d+): data stage (\d+)", one_rank.stderr) == raised, one_rank.stderr[-3000:]
+    assert re.findall(r"step (\d+): data_stage (\d+)", one_rank.stderr) == raised, one_rank.stderr[-3000:]
     end, expected = checkpoint(resized, 48), checkpoint(tmp_path / "uninterrupted", 48)
-    assert (end["data_stage"], end["samples_seen"]) == (expected["data_stage"], expected["samples_seen"])
+    assert (end["learned"], end["samples_seen"]) == (expected["learned"], expected["samples_seen"])
     # (Not the same weights: its loss is a mean over each rank's words, which a resize weighs otherwise.)
     # A stage each rank decides from what it alone holds (here its rank) would train other data on each.
     local = with_task_code(project, tmp_path, "\nimport dataclasses as _dataclasses\nimport os as _os\n\n"
-                           "TASK = _dataclasses.replace(TASK, data_stage=lambda stage, results, options: "
-                           "next_stage(stage, results, options) + int(_os.environ['RANK']))\n")
+                           "TASK = _dataclasses.replace(TASK, after_evaluation=lambda learned, results, closes, "
+                           "options: {'data_stage': int(_os.environ['RANK'])})\n")
     refused = run_job(local, [*args, *flags(ckpt_dir=tmp_path / "local")])
-    line = ("error: Task.data_stage decided other stages on the ranks (0, 1); decide from the evaluation results it "
-            "is given, the same on every rank, not from a rank's own loss, data or generator")
+    line = ("error: Task.after_evaluation returned other values of 'data_stage' on the ranks (0, 1); decide from the "
+            "evaluation results it is given, the same on every rank, not from a rank's own loss, data or generator")
     assert refused.returncode != 0 and refused.stderr.count(line) == 1, refused.stderr[-3000:]
-    assert "data stage" not in refused.stderr and not (tmp_path / "local" / "step-16.pt").exists()
+    assert "data_stage 1" not in refused.stderr and not (tmp_path / "local" / "step-16.pt").exists()
+
+
+@pytest.mark.slow
+def test_the_word_language_model_port_resumes_every_ranks_hidden_state_and_refuses_a_resize(bake, tmp_path):
+    """examples/word-language-model: batches in order (each rank its own streams), an LSTM state each rank carries
+    (PerRank), plain SGD (an optimizer without state) and the plateau rule (after_evaluation): killed in mid-epoch
+    (step 4 of 22), it resumes bitwise; on 1 rank its 2 ranks' streams and states are refused in one line."""
+    project = bake(project_name="Words")
+    apply_example(project, "word-language-model")
+    rows = trains_learns_and_resumes_bitwise_after_kill_9(project, tmp_path, *flags(log_every=4, max_steps=30))
+    assert [row for row in rows if row["kind"] == "eval"][0]["perplexity"] < 4, rows  # after epoch 0
+    end = checkpoint(tmp_path / "uninterrupted", 30)
+    hidden = [torch.load(io.BytesIO(rank), weights_only=True) for rank in end["hidden"]["ranks"]]
+    assert len(hidden) == 2 and not torch.equal(hidden[0]["hidden"][0], hidden[1]["hidden"][0])  # each its own
+    assert end["optimizer"]["state"] == {}  # plain SGD keeps none, and the project's own tests accept that
+    resized = tmp_path / "resized"
+    resized.mkdir()
+    shutil.copy(tmp_path / "uninterrupted" / "step-8.pt", resized)
+    refused = run_job(project, [*smoke_test_args(project), *flags(ckpt_dir=resized, max_steps=30)], nproc=1)
+    line = ("error: the task state 'hidden' is per rank: the checkpoint holds 2 ranks' and this job has 1; resume on "
+            "2 ranks, or give PerRank(..., resplit=...) in task.py to make the new ranks' from the saved ones")
+    assert refused.returncode != 0 and refused.stderr.count(line) == 1, refused.stderr[-3000:]
 
 
 # The example's summarize, checked: one row per evaluated sample (the sums count 129 held-out samples: the log
@@ -946,3 +971,50 @@ def test_rank_0_work_every_names_a_number_or_an_int_task_option(baked_module):
     with pytest.raises(usage_error) as refused:  # the user's flag
         spec("sample_every").check(options(sample_every=-1))
     assert str(refused.value) == "--sample-every must be >= 0 (0: never), got -1"
+
+
+def test_each_lr_schedule_follows_its_flags_and_an_lr_set_elsewhere_is_said(baked_module, caplog):
+    import torch
+
+    optim = baked_module("optim")
+    curve = optim.warmup_then_decay
+    # 1,000 samples, 100 of warmup: wsd holds 1 until the last --decay-fraction 0.2 (sample 800), then a line to 0.
+    assert [curve(s, 100, 1000, "wsd", 0.2) for s in (50, 100, 799, 800, 900, 1000)] == [0.5, 1, 1, 1, 0.5, 0]
+    assert [curve(s, 100, 1000, "linear") for s in (100, 550, 1000)] == [1, 0.5, 0]
+    assert curve(550, 100, 1000, "cosine") == pytest.approx(0.5) and curve(900, 100, 1000, "constant") == 1
+    options = SimpleNamespace(lr=0.1, lr_schedule="constant", decay_fraction=0.2, max_steps=10, epochs=1,
+                              warmup_steps=0)
+    loader = SimpleNamespace(samples_per_step=8, samples_in_steps=lambda steps: steps * 8)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    schedule = optim.LearningRateSchedule(optimizer, options, loader)
+    schedule.scale = 0.5  # Task.after_evaluation's lr_scale
+    with caplog.at_level("INFO"):
+        assert schedule.set_lr(4) == 0.05 and optimizer.param_groups[0]["lr"] == 0.05
+        optimizer.param_groups[0]["lr"] = 0.3  # a task's own rule, which the schedule would undo unsaid
+        schedule.set_lr(12)
+        optimizer.param_groups[0]["lr"] = 0.3
+        schedule.set_lr(20)
+    assert caplog.messages == ["param group 0's lr was set to 0.3 outside the lr schedule, which sets it again at "
+                               "every step; scale it from Task.after_evaluation (its lr_scale), or choose "
+                               "--lr-schedule"]
+
+
+def test_batches_in_order_are_told_the_world_size_and_each_rank_reads_its_own_part_in_order(baked_module):
+    # Task.batches with a world_size parameter: rank r's contiguous part of 16 samples, one a step (a stream
+    # carried across steps, BPTT's way); global batch j goes to rank j % world_size.
+    import torch
+
+    data = baked_module("data")
+
+    def in_order(dataset, options, epoch, world_size):
+        part = len(dataset) // world_size
+        return [[rank * part + chunk] for chunk in range(part) for rank in range(world_size)]
+    for world_size in (1, 2):
+        read = []
+        for rank in range(world_size):
+            sampler = data.TaskBatches(in_order, list(range(16)), SimpleNamespace(grad_accum=1, task=None),
+                                       SimpleNamespace(rank=rank, world_size=world_size), torch.device("cpu"))
+            sampler.set_epoch(0)
+            read.append([index for batch in sampler for _, index in batch])
+        part = 16 // world_size
+        assert read == [list(range(part * rank, part * (rank + 1))) for rank in range(world_size)]

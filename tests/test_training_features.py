@@ -14,7 +14,20 @@ import termios
 from pathlib import Path
 
 import pytest
-from helpers import assert_trains_like_bare, checkpoint, metric_rows, run, run_job, tiny_run, tool_env
+import torch
+from helpers import (
+    assert_bitwise_equal,
+    assert_trains_like_bare,
+    checkpoint,
+    kill_a_worker_and_finish,
+    metric_rows,
+    run,
+    run_job,
+    start_job,
+    tiny_run,
+    tool_env,
+    with_task_code,
+)
 
 pytestmark = pytest.mark.slow  # torchrun jobs: `make test-fast` leaves these out
 
@@ -148,3 +161,83 @@ def read_until_closed(descriptor: int) -> str:
         chunks.append(chunk)
     os.close(descriptor)
     return b"".join(chunks).decode(errors="replace")
+
+
+# Each rank writes its CPU generator's state as its first step's loss is computed.
+GENERATOR_AT_STEP_1 = '''
+
+import dataclasses as _dataclasses
+import os as _os
+
+_plain_loss = compute_loss
+
+
+def _recording_loss(model, batch, step):
+    if step.number == 1:
+        folder = _os.environ["GENERATOR_AT_STEP_1"]
+        torch.save(torch.get_rng_state(), f"{folder}/rank-{_os.environ.get('RANK', '0')}.pt")
+    return _plain_loss(model, batch, step)
+
+
+TASK = _dataclasses.replace(TASK, compute_loss=_recording_loss)
+'''
+
+# A plain script seeded with --seed: it builds the training set and the model, then trains.
+PLAIN_SCRIPT = '''
+import sys
+import torch
+from ddp_training.options import parse_options
+from ddp_training.task import TASK
+options = parse_options(sys.argv[1:], TASK.options, TASK.training_defaults)
+torch.manual_seed(options.seed)
+train_set, _ = TASK.datasets[options.task.data](options)
+TASK.build_model(options, train_set)
+torch.save(torch.get_rng_state(), "plain.pt")
+'''
+
+
+def test_rank_0_draws_what_a_plain_script_seeded_alike_draws_and_rank_1_its_own(default_project, tmp_path):
+    # A port's dropout masks are its original's only if the generator goes on from where model building left it.
+    project = with_task_code(default_project, tmp_path, GENERATOR_AT_STEP_1)
+    args = tiny_run(**SMALL, max_steps=1, seed=7, ckpt_dir=tmp_path / "ckpt")
+    (tmp_path / "states").mkdir()
+    result = run_job(project, args, nproc=2, GENERATOR_AT_STEP_1=str(tmp_path / "states"))
+    assert result.returncode == 0, result.stderr[-4000:]
+    plain = run([sys.executable, "-c", PLAIN_SCRIPT, *args], cwd=tmp_path, PYTHONPATH=str(project))
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    expected = torch.load(tmp_path / "plain.pt")
+    ranks = [torch.load(tmp_path / "states" / f"rank-{rank}.pt") for rank in (0, 1)]
+    assert torch.equal(ranks[0], expected)
+    assert not torch.equal(ranks[1], expected)
+
+
+# A rule after each evaluation (reduce on plateau's shape, here firing every time): the lr halves, and the rule
+# keeps its own count and what each evaluation closed.
+HALVING_RULE = '''
+
+import dataclasses as _dataclasses
+
+
+def _halve(learned, results, closes, options):
+    return {"lr_scale": learned.get("lr_scale", 1.0) / 2, "closed": [*learned.get("closed", []), closes]}
+
+
+TASK = _dataclasses.replace(TASK, after_evaluation=_halve)
+'''
+
+
+def test_a_rule_after_each_evaluation_scales_the_lr_and_survives_a_kill_9_right_after_it_fired(default_project,
+                                                                                             tmp_path):
+    project = with_task_code(default_project, tmp_path, HALVING_RULE)
+    run_args = dict(SMALL, max_steps=16, eval_every_steps=4, lr_schedule="constant", warmup_steps=0, ckpt_every=4)
+    reference = run_job(project, tiny_run(**run_args, ckpt_dir=tmp_path / "reference"))
+    assert reference.returncode == 0, reference.stderr[-4000:]
+    assert "step 4: lr_scale 0.5 from the next step on (Task.after_evaluation)" in reference.stderr
+    lrs = [checkpoint(tmp_path / "reference", step)["optimizer"]["param_groups"][0]["lr"] for step in (4, 8, 12, 16)]
+    assert lrs == [0.01, 0.005, 0.0025, 0.00125]  # each step of an interval at the scale its start had
+    learned = checkpoint(tmp_path / "reference", 16)["learned"]["values"]
+    assert learned == {"lr_scale": 1 / 16, "closed": ["interval"] * 4}
+    # Killed after step 8's checkpoint, saved before the evaluation that halves the lr again: the resume redoes it.
+    killed = start_job(project, tiny_run(**run_args, ckpt_dir=tmp_path / "killed"), max_restarts=1)
+    kill_a_worker_and_finish(killed, tmp_path / "killed" / "step-8.pt")
+    assert_bitwise_equal(checkpoint(tmp_path / "killed", 16), checkpoint(tmp_path / "reference", 16))

@@ -683,7 +683,7 @@ def curriculum_edit(old: str, new: str) -> tuple[str, str]:
     def __init__(self, size: int, tags: int, seed: int):
         self.size, self.tags, self.seed = size, tags, seed
 ''', '''of the word before: a dict of tensors per sample. A curriculum: at stage s, only their first 4 x (s + 1) words
-    (Task.data_stage raises the stage; set_stage is called with it in the process that loads each sample)."""
+    (Task.after_evaluation raises it; set_stage is called with it in the process that loads each sample)."""
 
     def __init__(self, size: int, tags: int, seed: int):
         self.size, self.tags, self.seed = size, tags, seed
@@ -700,10 +700,14 @@ def curriculum_edit(old: str, new: str) -> tuple[str, str]:
         before = ''', '''generator=generator)
         words = words[:self.longest]
         before = ''')
-    new = new.replace("    batches=length_buckets,\n", "    data_stage=next_stage,\n")
-    new = new.replace('''def units_in_batch(batch: dict[str, torch.Tensor]) -> torch.Tensor:''', '''def next_stage(stage: int, results: dict, options: TrainOptions) -> int:
-    """Task.data_stage: longer sentences once the held-out loss (on whole sentences, every rank's) is below 0.8."""
-    return min(stage + 1, 2) if results["loss"] < 0.8 else stage
+    new = new.replace("    batches=length_buckets,\n", "    after_evaluation=next_stage,\n")
+    new = new.replace('''def units_in_batch(batch: dict[str, torch.Tensor]) -> torch.Tensor:''', '''def next_stage(learned: dict, results: dict, closes: str, options: TrainOptions) -> dict:
+    """Task.after_evaluation: longer sentences (the next data_stage) once the held-out loss, on whole sentences
+    and every rank's, is below 0.8 at an evaluation that closes an interval or an epoch."""
+    stage = learned.get("data_stage", 0)
+    if closes in ("interval", "epoch") and results["loss"] < 0.8:
+        stage = min(stage + 1, 2)
+    return {"data_stage": stage}
 
 
 def units_in_batch(batch: dict[str, torch.Tensor]) -> torch.Tensor:''')
@@ -712,9 +716,179 @@ def units_in_batch(batch: dict[str, torch.Tensor]) -> torch.Tensor:''')
 
 CURRICULUM = {"PACKAGE/task.py": [curriculum_edit(old, new) for old, new in TAGGER["PACKAGE/task.py"]]}
 
+WORD_LM = {"PACKAGE/task.py": [
+    (BEFORE_FAKE_IMAGES, '''
+
+class Words(Dataset):
+    """A corpus as word ids (pytorch/examples' word_language_model: <eos> ends each line); sample i is the window
+    of --bptt words from word i, and the words after each. Task.batches cuts the corpus into streams."""
+
+    def __init__(self, ids: torch.Tensor, vocabulary: int, bptt: int):
+        self.ids, self.vocabulary, self.bptt = ids, vocabulary, bptt
+
+    def __len__(self) -> int:
+        return len(self.ids) - self.bptt
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        window = self.ids[index:index + self.bptt + 1]
+        return {"input_ids": window[:-1], "labels": window[1:], "offset": torch.tensor(index)}
+
+
+def word_ids(texts: list[str], bptt: int) -> list[Words]:
+    """Each text's words as ids of one vocabulary, in order of first appearance (as the original's Dictionary)."""
+    vocabulary: dict[str, int] = {}
+    ids = [torch.tensor([vocabulary.setdefault(word, len(vocabulary)) for line in text.splitlines()
+                         for word in [*line.split(), "<eos>"]]) for text in texts]
+    return [Words(each, len(vocabulary), bptt) for each in ids]
+
+
+def word_files(options: TrainOptions) -> tuple[Dataset, Dataset]:
+    """--data-dir/train.txt and --data-dir/valid.txt (wikitext-2's layout)."""
+    folder = Path(options.task.data_dir)
+    return tuple(word_ids([(folder / name).read_text() for name in ("train.txt", "valid.txt")], options.task.bptt))
+
+
+def fake_words(options: TrainOptions) -> tuple[Dataset, Dataset]:
+    """Sentences of a small grammar, learnable in a few dozen steps (the smoke tests')."""
+    generator = torch.Generator().manual_seed(options.seed)
+    parts = [["the", "a"], ["cat", "dog", "bird"], ["sees", "likes"], ["the", "a"], ["tree", "house", "car"]]
+
+    def text(lines: int) -> str:
+        return "\\n".join(" ".join(part[int(torch.randint(len(part), (), generator=generator))] for part in parts)
+                         for _ in range(lines))
+    return tuple(word_ids([text(options.task.fake_samples), text(options.task.fake_samples // 4)],
+                          options.task.bptt))
+
+
+def streams_in_order(dataset: Words, options: TrainOptions, epoch: int, world_size: int) -> list[list[int]]:
+    """Task.batches in order (the original's batchify): the corpus cut into world_size x --batch-size streams,
+    each rank the --batch-size streams of its own contiguous part, and step j the j-th --bptt words of each."""
+    streams = world_size * options.batch_size
+    length = (len(dataset.ids) - 1) // streams
+    return [[stream * length + chunk * dataset.bptt for stream in range(rank * options.batch_size,
+                                                                         (rank + 1) * options.batch_size)]
+            for chunk in range((length - 1) // dataset.bptt) for rank in range(world_size)]
+''' + BEFORE_FAKE_IMAGES),
+    (BEFORE_SMALL_CNN, '''class WordLSTM(nn.Module):
+    """pytorch/examples' RNNModel with an LSTM: embedding, LSTM layers, a linear decoder; dropout between."""
+
+    def __init__(self, vocabulary: int, width: int = 64, layers: int = 2, dropout: float = 0.2):
+        super().__init__()
+        self.drop = nn.Dropout(dropout)
+        self.embedding = nn.Embedding(vocabulary, width)
+        self.lstm = nn.LSTM(width, width, layers, dropout=dropout, batch_first=True)
+        self.decoder = nn.Linear(width, vocabulary)
+
+    def forward(self, input_ids: torch.Tensor, hidden: tuple[torch.Tensor, torch.Tensor] | None = None):
+        output, hidden = self.lstm(self.drop(self.embedding(input_ids)), hidden)
+        return self.decoder(self.drop(output)), hidden
+
+
+def word_lstm(options: TrainOptions, train_set: Words) -> nn.Module:
+    return WordLSTM(train_set.vocabulary)
+
+
+class CarriedHidden:
+    """This rank's LSTM state from one of its batches to the next (truncated backpropagation through time): kept
+    without its graph, and used where the next batch continues the same streams (else, as at an epoch's start,
+    the LSTM starts from zeros). Each rank's own: PerRank in Task(state=...)."""
+
+    def __init__(self):
+        self.hidden: tuple[torch.Tensor, ...] | None = None
+        self.next: torch.Tensor | None = None  # the offsets that continue the streams
+
+    def before(self, offsets: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        if self.next is None or not torch.equal(self.next.to(offsets.device), offsets):
+            return None
+        return tuple(part.to(offsets.device) for part in self.hidden)
+
+    def after(self, hidden: tuple[torch.Tensor, ...], offsets: torch.Tensor, bptt: int) -> None:
+        self.hidden, self.next = tuple(part.detach() for part in hidden), offsets + bptt
+
+    def state_dict(self) -> dict:
+        return {} if self.next is None else {"hidden": list(self.hidden), "next": self.next}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            self.hidden, self.next = tuple(state["hidden"]), state["next"]
+
+
+def carried_hidden(model: nn.Module, options: TrainOptions) -> dict:
+    return {"hidden": PerRank(CarriedHidden())}
+
+
+def anneal_on_plateau(learned: dict, results: dict, closes: str, options: TrainOptions) -> dict:
+    """The original's rule after each epoch's evaluation: the lr divided by 4 when the held-out loss is no better
+    than the best so far."""
+    if closes != "epoch":
+        return learned
+    best = learned.get("best_loss")
+    if best is not None and results["loss"] >= best:
+        return {**learned, "lr_scale": learned.get("lr_scale", 1.0) / 4}
+    return {**learned, "best_loss": results["loss"]}
+
+
+def words_in_batch(batch: dict[str, torch.Tensor]) -> int:
+    """Throughput counts words."""
+    return batch["labels"].numel()
+
+
+''' + BEFORE_SMALL_CNN),
+    ('''def compute_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], step: Step) -> torch.Tensor:
+    """The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one. `step` (optim.py's
+    Step): its number (1 for the first), the options (the task's as step.options.task), the plain model."""
+    return outputs_and_loss(model, batch)[1]
+''', '''def compute_loss(model: nn.Module, batch: dict[str, torch.Tensor], step: Step) -> torch.Tensor:
+    """The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one. `step` (optim.py's
+    Step): its number (1 for the first), the options (the task's as step.options.task), the plain model."""
+    carried = step.state["hidden"].value
+    logits, hidden = model(batch["input_ids"], carried.before(batch["offset"]))
+    carried.after(hidden, batch["offset"], step.options.task.bptt)
+    return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+'''),
+    ('''    outputs, loss = outputs_and_loss(model, batch)
+    targets = batch[1]
+    return {"loss": loss * targets.numel(),
+            "correct": (outputs.argmax(dim=1) == targets).sum(),
+            "samples": torch.tensor(targets.numel())}
+''', '''    logits, _ = model(batch["input_ids"])  # each window from zeros: held-out streams are not carried
+    return {"loss": F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="sum"),
+            "tokens": torch.tensor(batch["labels"].numel())}
+'''),
+    (IMAGE_SUMMARY, '''    count = sums["tokens"]
+    return {"loss": sums["loss"] / count, "perplexity": math.exp(sums["loss"] / count), "tokens": int(count)}
+'''),
+    ('''    return torch.optim.SGD(trained, lr=options.lr, momentum=0.9, weight_decay=5e-4)
+''', '''    return torch.optim.SGD(trained, lr=options.lr)  # plain SGD, as the original: no state to keep
+'''),
+    ('''    num_classes: int = option(10, "outputs of the model's head (cifar10 has 10 classes)", fixed=True)
+''', '''    num_classes: int = option(10, "outputs of the model's head (cifar10 has 10 classes)", fixed=True)
+    bptt: int = option(35, "--data words: words a step backpropagates through; the LSTM's state is carried on")
+'''),
+    (IMAGE_TABLES, '''    datasets={"fake": fake_images, "cifar10": cifar10, "imagefolder": image_folder,
+              "words": word_files, "fake_words": fake_words},
+    models={"small_cnn": small_cnn, "word_lstm": word_lstm},
+    collate=default_collate,
+    batches=streams_in_order,
+    state=carried_hidden,
+    after_evaluation=anneal_on_plateau,
+    units_in_batch=words_in_batch,
+    training_defaults={"lr": 20.0, "clip_grad": 0.25, "lr_schedule": "constant", "warmup_steps": 0},
+'''),
+    ('    throughput_unit="samples",\n', '    throughput_unit="tokens",\n'),
+    (IMAGE_SMOKE_ARGS, '''    smoke_test_args=["--data", "fake_words", "--fake-samples", "300", "--batch-size", "4", "--model",
+                     "word_lstm", "--bptt", "10", "--num-workers", "0", "--device", "cpu"],
+'''),
+    (FUTURE, FUTURE + "import math\n"),
+    ("from .spec import Task\n", "from .engine.task_state import PerRank\nfrom .spec import Task\n"),
+    ("from torch.utils.data import Dataset\n", "from torch.utils.data import Dataset, default_collate\n"),
+]}
+
+
 RECIPES = {"regression": REGRESSION, "dict-batches": TAGGER, "whole-set-metric": AUC, "gan": ADVERSARIAL,
            "distillation": TEACHER, "ema": EMA, "two-optimizers": TWO_OPTIMIZERS, "loss-weight": LOSS_WEIGHT, "contrastive": CONTRASTIVE,
-           "mixture-of-experts": MIXTURE, "lora": LORA, "curriculum": CURRICULUM}
+           "mixture-of-experts": MIXTURE, "lora": LORA, "curriculum": CURRICULUM,
+           "word-language-model": WORD_LM}
 
 
 def sorted_imports(project: Path, relative: str, text: str) -> str:

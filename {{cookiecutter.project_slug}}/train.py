@@ -48,8 +48,9 @@ from {{ cookiecutter.package_name }}.engine.failure import (
 )
 from {{ cookiecutter.package_name }}.engine.replicas import check_replicas_match
 from {{ cookiecutter.package_name }}.engine.reproducibility import seed_and_choose_kernels, seed_per_rank
+from {{ cookiecutter.package_name }}.engine.task_state import saved_entries
 from {{ cookiecutter.package_name }}.engine.watchdog import EXIT_CODE_AFTER_SIGTERM, StopAgreement, Watchdog
-from {{ cookiecutter.package_name }}.evaluation import evaluate, evaluation_due
+from {{ cookiecutter.package_name }}.evaluation import Learned, evaluate, evaluation_due
 from {{ cookiecutter.package_name }}.metrics import build_meter
 from {{ cookiecutter.package_name }}.optim import (
     LearningRateSchedule,
@@ -171,21 +172,26 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     training_step = task.training_step or loss_step
     # The task's own state beside the model (an EMA, say): updated by task.after_step, saved with the rest.
     task_state = task.build_state(model, options, taken={"model", "optimizer", "lr_schedule", "grad_scaler",
-                                                         "selection", {% if cookiecutter.use_streaming == "yes" %}"stream_position", {% endif %}"batches_position"{% if cookiecutter.fault_tolerance == "torchft" %},
+                                                         "selection", {% if cookiecutter.use_streaming == "yes" %}"stream_position", {% endif %}"batches_position", "learned"{% if cookiecutter.fault_tolerance == "torchft" %},
                                                          "replica_groups"{% endif %}})
     step = Step(networks, model, optimizers, amp, options, nonfinite, update, task_state)  # training_step's
     optimizer = step.optimizer  # every optimizer as one: scaled by the lr schedule, saved by checkpoints
     # Over samples seen, not steps: a job resumed on another number of ranks continues the same curve.
     # It spans the run (--max-steps, else --epochs) and says where it ends: `run_samples`.
     lr_schedule = LearningRateSchedule(optimizer, options, train_loader)
-    # Where the training set stands beyond a count of samples ({% if cookiecutter.use_streaming == "yes" %}a stream's position, {% endif %}the task's batches): saved.
-    position = {train_loader.position_entry: train_loader} if train_loader.position_entry else {}
+    # Saved besides: where the training set stands beyond a count of samples ({% if cookiecutter.use_streaming == "yes" %}a stream's position, {% endif %}the task's
+    # batches), what the task learns from its evaluations (Task.after_evaluation: an lr scale, a data stage), and
+    # the task's state (each entry the same on every rank, checked at each save, or PerRank: each rank's own).
+    learned = Learned(task.after_evaluation, lr_schedule, train_loader)
+    saved_too = {**({train_loader.position_entry: train_loader} if train_loader.position_entry else {}),
+                 **({"learned": learned} if task.after_evaluation is not None else {}),
+                 **saved_entries(task_state, device)}
     # --keep-best, --early-stop-patience: the best evaluation so far, and how many came after it.
     selection = ModelSelection(options.selection, options.checkpoint.ckpt_dir, env)
     checkpointer = build_checkpointer(options.checkpoint, recorded(options), env, device,
                                       sharded=options.strategy == "fsdp2", model=model, optimizer=optimizer,
-                                      lr_schedule=lr_schedule, grad_scaler=amp, selection=selection, **position,
-                                      **task_state{% if cookiecutter.fault_tolerance == "torchft" %}, **(groups.checkpoint_entries() if groups else {}){% endif %})
+                                      lr_schedule=lr_schedule, grad_scaler=amp, selection=selection, **saved_too{% if cookiecutter.fault_tolerance == "torchft" %},
+                                      **(groups.checkpoint_entries() if groups else {}){% endif %})
     progress = checkpointer.resume(TrainingProgress)  # the newest checkpoint's, or a fresh one
 {%- if cookiecutter.fault_tolerance == "torchft" %}
     if groups is not None:  # what a group that joins late copies from a running one: all of the above
@@ -227,8 +233,8 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
             else:
                 closes, progress.evaluation_due = progress.evaluation_due, ""
                 meter.log_evaluation(progress.step, progress.epoch, results, closes)
-                if task.data_stage is not None and closes in ("interval", "epoch"):  # a curriculum's next stage
-                    train_loader.set_stage(task.data_stage(train_loader.stage, results, options), progress.step)
+                if task.after_evaluation is not None:  # what the task learns from it: an lr scale, a data stage
+                    learned.after(results, closes, options, progress.step)
                 # --keep-best judges the evaluations --eval-every(-steps) asks for: not one at an end in mid-interval.
                 if closes in ("interval", "epoch") and selection.judge(results, progress.step, stop.decided_by_rank_0):
                     with watchdog.slow_phase("saving the best checkpoint"):

@@ -8,6 +8,7 @@ import bisect
 import dataclasses
 import functools
 import hashlib
+import inspect
 import itertools
 import logging
 import math
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
-from .engine.collectives import all_gather_objects, same_on_every_rank
+from .engine.collectives import same_on_every_rank
 from .engine.distributed import DistEnv
 from .engine.errors import UsageError
 from .engine.processes import detach_from_job_signals, start_forkserver_deaf_to_sigterm
@@ -73,7 +74,7 @@ class SeededSampleDataset(Dataset):
             if hasattr(self.dataset, "set_epoch"):  # told here, in the process that loads the sample: a worker,
                 self.dataset.set_epoch(epoch)  # persistent or not, never holds a stale epoch (or stage)
             if len(key) > 2 and key[2] is not None:
-                self.dataset.set_stage(key[2])  # Task.data_stage's
+                self.dataset.set_stage(key[2])  # Task.after_evaluation's data_stage
             return self.dataset[index]
 
 
@@ -106,7 +107,7 @@ class ResumableDistributedSampler(DistributedSampler):
     def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int, rank_samples_per_step: int):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
         self.start_sample = 0
-        self.stage = None  # Task.data_stage's, carried to the dataset with each sample's key
+        self.stage = None  # Task.after_evaluation's data_stage, carried to the dataset with each sample's key
         # This rank's share of a step: batch size x micro-batches. An epoch ends on a whole optimizer step, so
         # no half-accumulated gradient is left over (like drop_last, one level up).
         self.rank_samples_per_step = rank_samples_per_step
@@ -133,9 +134,9 @@ class ResumableDistributedSampler(DistributedSampler):
 
 class ShardedLoader(DataLoader):
     """The training DataLoader of a map-style set: it knows where an epoch starts, and the data stage it hands out
-    (Task.data_stage's)."""
+    (Task.after_evaluation's "data_stage")."""
 
-    position_entry = None  # its position is TrainingProgress's sample count; "data_stage" with a stage to save
+    position_entry = None  # its position is TrainingProgress's sample count: nothing more to save
     restart = False  # the epoch's samples read on anew from the next step, with a new stage
 
     def start_epoch(self, epoch: int, samples_in_epoch: int) -> None:
@@ -143,26 +144,12 @@ class ShardedLoader(DataLoader):
         self.sampler.set_epoch(epoch, start_sample=samples_in_epoch)
         self.restart = False
 
-    @property
-    def stage(self):
-        return self.sampler.stage
-
-    def set_stage(self, stage, step: int) -> None:
-        """Task.data_stage's stage from the next step on (read on from there, in every loader worker), the same
-        on every rank: one a rank decided from what it alone holds would train other data on each."""
-        if len(set(stages := [repr(each) for each in all_gather_objects(stage)])) > 1:
-            raise UsageError(f"Task.data_stage decided other stages on the ranks ({', '.join(stages)}); decide from "
-                             "the evaluation results it is given, the same on every rank, not from a rank's own "
-                             "loss, data or generator")
-        if stage != self.sampler.stage:
-            log.info("step %d: data stage %r, from the next step on (Task.data_stage)", step, stage)
-            self.sampler.stage, self.restart = stage, True
-
-    def state_dict(self) -> dict:
-        return {"stage": self.sampler.stage}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.sampler.stage = state["stage"]
+    def set_stage(self, stage) -> None:
+        """The data stage from the next step on, read from there anew in every loader worker (training_steps)."""
+        if self.sampler.stage is None:
+            raise UsageError("Task.after_evaluation returned a data_stage, which reaches the training set's "
+                             "set_stage(stage): give the training set that method")
+        self.sampler.stage, self.restart = stage, stage != self.sampler.stage
 
     def samples_in_epochs(self, epochs: int) -> int:  # all ranks together: what the lr schedule spans
         return epochs * len(self.dataset)
@@ -184,6 +171,13 @@ class ShardedLoader(DataLoader):
         return max(math.ceil((samples - progress.samples_seen) / self.samples_per_step), 0)
 
 
+def made_batches(make: Callable, dataset: Dataset, options: TrainOptions, epoch: int, world_size: int) -> list:
+    """Task.batches' batches of an epoch; told the world size where it takes a 4th argument, `world_size` (batches in
+    order, each rank a contiguous part of the data: global batch j goes to rank j % world_size)."""
+    takes_world_size = "world_size" in inspect.signature(make).parameters
+    return make(dataset, options, epoch, world_size) if takes_world_size else make(dataset, options, epoch)
+
+
 class TaskBatches:
     """The batch sampler of a task that makes its own batches (Task.batches: length buckets, a token budget, any
     number of samples each). The epoch's batches are the same list on every rank; global batch j goes to rank
@@ -203,7 +197,8 @@ class TaskBatches:
 
     def batches(self, epoch: int) -> list[list[int]]:
         if self.cached[0] != epoch:
-            batches = [list(batch) for batch in self.make(self.dataset, self.options, epoch)]
+            batches = [list(batch) for batch in made_batches(self.make, self.dataset, self.options, epoch,
+                                                             self.world_size)]
             if not all(batches):
                 raise UsageError(f"Task.batches made an empty batch for epoch {epoch}; leave empty ones out")
             self.cached = (epoch, batches, [0, *itertools.accumulate(map(len, batches))],
@@ -370,7 +365,8 @@ def build_loaders(train_set: Dataset{% if cookiecutter.use_streaming == "yes" %}
     # loader has a generator of its own: otherwise each new iterator draws a seed from the global RNG, and a
     # resumed run (restored RNG, one more iterator) would continue with other random numbers (dropout masks).
     if batches is not None:  # the task's batches: each rank every world_size-th
-        eval_batches = [list(batch) for batch in batches(eval_set, options, 0)][env.rank::env.world_size]
+        eval_batches = [list(batch) for batch in made_batches(batches, eval_set, options, 0, env.world_size)
+                        ][env.rank::env.world_size]
         eval_loader = DataLoader(eval_set, batch_sampler=eval_batches,
                                  generator=torch.Generator().manual_seed(options.seed), **unbatched)
     else:
@@ -414,8 +410,7 @@ def build_loaders(train_set: Dataset{% if cookiecutter.use_streaming == "yes" %}
     # Workers read a whole step ahead: the step starts once its --grad-accum micro-batches are in.
     train_loader = ShardedLoader(train_set, sampler=sampler, drop_last=True,
                                  generator=torch.Generator().manual_seed(options.seed), **common, **read_ahead)
-    if staged:  # Task.data_stage's stage: 0 until it decides another, saved in checkpoints
-        sampler.stage, train_loader.position_entry = 0, "data_stage"
+    sampler.stage = 0 if staged else None  # set_stage's: 0 until Task.after_evaluation decides another
     if len(train_loader) == 0:
         raise UsageError(
             f"the training set ({len(train_set)} samples) gives no full step of {options.grad_accum} x "

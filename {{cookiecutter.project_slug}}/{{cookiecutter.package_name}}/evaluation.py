@@ -3,6 +3,7 @@ gathered from every rank, the same number of batches on every rank, and a stop t
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 
@@ -14,6 +15,8 @@ from .engine.errors import UsageError
 from .engine.replicas import sync_buffers_from_main
 from .optim import MixedPrecision
 from .spec import Task
+
+log = logging.getLogger(__name__)
 
 # How often an evaluation asks whether to stop: a blocking all-reduce of one number, cheap beside 16 forwards.
 STOP_CHECK_BATCHES = 16
@@ -150,3 +153,45 @@ def sum_across_ranks(totals: dict[str, torch.Tensor] | None, device: torch.devic
         value = flat[offset:offset + size].reshape(shape).cpu()
         sums[name], offset = value.item() if size == 1 else value, offset + size
     return sums
+
+
+class Learned:
+    """What the run learns from its evaluations (Task.after_evaluation's dict), the same on every rank and saved
+    with every checkpoint. Its "lr_scale" multiplies the lr schedule and its "data_stage" reaches the training set,
+    both from the next step; the rest is the rule's own memory (the best loss so far)."""
+
+    def __init__(self, rule: Callable[[dict, dict, str, object], dict], lr_schedule, loader):
+        self.rule, self.lr_schedule, self.loader = rule, lr_schedule, loader
+        self.values: dict = {}
+
+    def after(self, results: dict, closes: str, options, step: int) -> None:
+        values = self.rule(dict(self.values), results, closes, options)
+        every_rank = all_gather_objects(values)  # one rank's decision would train another run on each
+        for name in sorted(set().union(*every_rank)):
+            if len(ranks := {repr(each.get(name)): None for each in every_rank}) > 1:
+                raise UsageError(f"Task.after_evaluation returned other values of {name!r} on the ranks "
+                                 f"({', '.join(list(ranks)[:4])}); decide from the evaluation results it is given, "
+                                 "the same on every rank, not from a rank's own loss, data or generator")
+        acting = {"lr_scale": 1.0, "data_stage": 0}  # the keys that act, and their values before any is returned
+        changed = {name: value for name, value in values.items()
+                   if name in acting and value != self.values.get(name, acting[name])}
+        if changed:
+            log.info("step %d: %s from the next step on (Task.after_evaluation)", step,
+                     ", ".join(f"{name} {value!r}" for name, value in changed.items()))
+        self.values = values
+        self.apply()
+
+    def apply(self) -> None:
+        self.lr_schedule.scale = float(self.values.get("lr_scale", 1.0))
+        if "data_stage" in self.values:
+            if not hasattr(self.loader, "set_stage"):
+                raise UsageError("Task.after_evaluation returned a data_stage, which reaches a training set that "
+                                 "train.py samples (not Task.batches' batches, not a stream)")
+            self.loader.set_stage(self.values["data_stage"])
+
+    def state_dict(self) -> dict:
+        return {"values": self.values}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.values = state["values"]
+        self.apply()

@@ -349,15 +349,20 @@ class MixedPrecision:
             self.scaler.load_state_dict(state)
 
 
-def warmup_then_decay(samples_seen: float, warmup_samples: int, total_samples: int, decay: str) -> float:
-    """lr multiplier once training has seen `samples_seen` samples: linear warmup to 1, then cosine to 0 at
-    `total_samples` (or constant 1)."""
+def warmup_then_decay(samples_seen: float, warmup_samples: int, total_samples: int, decay: str,
+                      decay_fraction: float = 0.2) -> float:
+    """lr multiplier once training has seen `samples_seen` samples: linear warmup to 1, then to 0 at
+    `total_samples` by a cosine or a line, or constant 1, or (wsd: warmup-stable-decay) 1 until the run's last
+    `decay_fraction`, then a line to 0."""
     if samples_seen < warmup_samples:
         return samples_seen / warmup_samples
     if decay == "constant":
         return 1.0
+    if decay == "wsd":
+        decay_start = max(total_samples * (1 - decay_fraction), warmup_samples)
+        return min(max((total_samples - samples_seen) / max(total_samples - decay_start, 1), 0.0), 1.0)
     progress = min((samples_seen - warmup_samples) / max(total_samples - warmup_samples, 1), 1.0)
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0 - progress if decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def check_coupled_batch(couples: str | None, keep: bool, model: torch.nn.Module, options: TrainOptions,
@@ -426,7 +431,10 @@ class LearningRateSchedule:
             log.info("the logged lr is --lr (%g) on the schedule; the optimizer's %d param groups peak at %g to %g "
                      "(what build_optimizer gave them), each on the same schedule", options.lr, len(self.peaks),
                      min(self.peaks), max(self.peaks))
-        self.decay = options.lr_schedule
+        self.decay, self.decay_fraction = options.lr_schedule, options.decay_fraction
+        self.scale = 1.0  # Task.after_evaluation's lr_scale (reduce on plateau): the schedule times it
+        self.last_set: list[float] | None = None  # what set_lr set: an lr set elsewhere since is said (once)
+        self.said = False
         self.spans_steps = options.max_steps  # None: the run spans --epochs
         self.samples_per_step = loader.samples_per_step  # all ranks' (Task.batches': a mean)
         self.total_samples = (loader.samples_in_epochs(options.epochs) if options.max_steps is None
@@ -442,11 +450,22 @@ class LearningRateSchedule:
         return self.total_samples if self.spans_steps is not None else None
 
     def set_lr(self, samples_seen: float) -> float:
-        """Set every param group's lr to the schedule's at `samples_seen` samples (a step's middle); returns --lr's
-        (the one logged)."""
-        multiplier = warmup_then_decay(samples_seen, self.warmup_samples, self.total_samples, self.decay)
-        for group, peak in zip(self.optimizer.param_groups, self.peaks, strict=True):
+        """Set every param group's lr to the schedule's at `samples_seen` samples (a step's middle), times
+        Task.after_evaluation's lr_scale; returns --lr's (the one logged). An lr set elsewhere since the last
+        call (a task's own rule) is said once, not rewritten silently."""
+        multiplier = self.scale * warmup_then_decay(samples_seen, self.warmup_samples, self.total_samples,
+                                                    self.decay, self.decay_fraction)
+        groups = self.optimizer.param_groups
+        changed = [index for index, (group, last) in enumerate(zip(groups, self.last_set or [], strict=False))
+                   if group["lr"] != last]
+        if changed and not self.said:
+            log.warning("param group %d's lr was set to %g outside the lr schedule, which sets it again at every "
+                        "step; scale it from Task.after_evaluation (its lr_scale), or choose --lr-schedule",
+                        changed[0], groups[changed[0]]["lr"])
+            self.said = True
+        for group, peak in zip(groups, self.peaks, strict=True):
             group["lr"] = peak * multiplier
+        self.last_set = [group["lr"] for group in groups]
         return self.logged_peak * multiplier
 
     def state_dict(self) -> dict:

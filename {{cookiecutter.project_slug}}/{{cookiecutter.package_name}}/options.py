@@ -111,8 +111,10 @@ class TrainOptions:
     batch_size: int = option(64, "samples per rank per step (the task's collate makes them one batch); the global "
                              "batch is this times the world size")
     lr: float = option(0.01, "peak learning rate: task.py's build_optimizer starts from it, the schedule scales it")
-    lr_schedule: Literal["cosine", "constant"] = option(
-        "cosine", "after warmup: cosine decay to 0 at the run's end (--max-steps, else --epochs), or constant")
+    lr_schedule: Literal["cosine", "linear", "wsd", "constant"] = option(
+        "cosine", "after warmup: a cosine or a line down to 0 at the run's end (--max-steps, else --epochs); wsd: "
+        "stable, then a line to 0 over the run's last --decay-fraction; or constant")
+    decay_fraction: float = option(0.2, "--lr-schedule wsd: the fraction of the run its lr decays over, at the end")
     warmup_steps: int | None = option(None, "optimizer steps of linear warmup (default: 5%% of the run)")
     grad_accum: int = option(
         1, "micro-batches per optimizer step; gradients are all-reduced once per step, so a step trains on "
@@ -131,8 +133,9 @@ class TrainOptions:
     compile: bool = option(False, "torch.compile the model (the first steps are slow while it compiles)")
     channels_last: bool | None = option(
         None, "NHWC memory format for convolutional models (default: on for CUDA, off for CPU)")
-    seed: int = option(0, "seed for model init, data order and fake data; same on every rank (GPU dropout "
-                       "gets a seed per rank derived from it)")
+    seed: int = option(0, "seed of model init (every rank alike), data order and fake data; then of each rank's "
+                       "own draws (dropout, noise): rank 0 goes on from where model init left torch's generators, "
+                       "as a plain script seeded with it would, the other ranks from seeds of their own")
     deterministic: bool = option(False, "bitwise-repeatable CUDA kernels, slower (cuDNN autotuning off); CPU runs "
                                  "are repeatable without it")
     device: Literal["auto", "cpu", "cuda"] = option(
@@ -192,6 +195,8 @@ class TrainOptions:
             raise UsageError(f"--num-workers must be >= 0, got {self.num_workers}")
         if not self.lr > 0:
             raise UsageError(f"--lr must be > 0, got {self.lr}")
+        if not 0 < self.decay_fraction <= 1:
+            raise UsageError(f"--decay-fraction must be in (0, 1], got {self.decay_fraction}")
         if self.warmup_steps is not None and self.warmup_steps < 0:
             raise UsageError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         if self.strategy == "fsdp2" and self.precision == "fp16":

@@ -158,7 +158,7 @@ class ReplicaGroups:
             for name, component_state in state["components"].items():
                 checkpointer.components[name].load_state_dict(component_state)
             vars(progress).update(state["progress"])
-            seed_per_rank(seed + progress.step, self.data_env(), self.device)
+            seed_per_rank(seed + progress.step, self.data_env(), self.device, rank_0_too=True)
             self.healed = True
             log.info("healed from another replica group: step %d, epoch %d", progress.step, progress.epoch)
 

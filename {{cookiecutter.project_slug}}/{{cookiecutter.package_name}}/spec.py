@@ -29,6 +29,7 @@ from .engine.distributed import DistEnv
 from .engine.errors import UsageError
 from .engine.flags import flag
 from .engine.replicas import bit_sum
+from .engine.task_state import PerRank
 from .options import TrainOptions
 from .parallel import whole_model
 
@@ -97,7 +98,8 @@ class Task:
     # State the task keeps beside the model, updated after each optimizer step (an EMA of the weights, a queue of
     # keys): state(model, options) -> {name: anything with state_dict()/load_state_dict()}, built after wrapping
     # (under FSDP2 from the sharded parameters) and saved and restored with every checkpoint, under its name;
-    # read as step.state[name]. after_step(step) runs on every rank after each optimizer step.
+    # read as step.state[name]. An entry is the same on every rank (each save checks it), or each rank's own:
+    # PerRank(value, resplit) (engine/task_state.py). after_step(step) runs on every rank after each step.
     state: Callable[[nn.Module, TrainOptions], dict[str, Any]] | None = None
     after_step: Callable[[Any], None] = lambda step: None
     # The state entry whose swapped_into(model) context holds the weights every evaluation uses, the run's last
@@ -119,14 +121,18 @@ class Task:
     # The task's own batches (length buckets, a token budget: any number of samples each). batches(dataset,
     # options, epoch) -> the epoch's batches, each a list of sample indices, the same list on every rank (draw
     # from options.seed and epoch; --batch-size is then unused). Ranks take them in turn, --grad-accum each a
-    # step; samples seen and the lr schedule count what they hold; the held-out set's (epoch 0's) too.
-    batches: Callable[[Dataset, TrainOptions, int], list[list[int]]] | None = None
-    # A value the training data depends on that the run learns (a curriculum stage, raised as the loss falls):
-    # data_stage(stage, results, options) -> the stage from the next step on, given the last one (0 at the start)
-    # and the results of each evaluation that closes an interval or an epoch (summarize's, the same on every rank:
-    # decide from them alone). Saved with every checkpoint; the training set's set_stage(stage) is called with
-    # it in the process that loads each sample. For a map-style training set without Task.batches.
-    data_stage: Callable[[Any, dict, TrainOptions], Any] | None = None
+    # step; samples seen and the lr schedule count what they hold; the held-out set's (epoch 0's) too. Batches
+    # in order, each rank its own contiguous part (streams carried across steps): a 4th parameter, world_size,
+    # is given it; global batch j goes to rank j % world_size. A resize in mid-epoch is then refused, naming the
+    # world size to resume on (the epoch's batches differ); at an epoch's start it goes on with the new batches.
+    batches: Callable[..., list[list[int]]] | None = None
+    # What the run learns from its evaluations: after_evaluation(learned, results, closes, options) -> learned, a
+    # dict of plain values ({} at the start), called on every rank after each evaluation with summarize's results
+    # (the same on every rank: decide from them and `learned` alone) and what it closes: "interval", "epoch", or
+    # where the run ended in mid-interval "run" or "stop". Saved with every checkpoint. Two keys act from the next
+    # step: "lr_scale" multiplies the lr schedule (reduce on plateau), "data_stage" reaches the training set's
+    # set_stage(stage) with each sample, in the process that loads it (a curriculum; not with Task.batches).
+    after_evaluation: Callable[[dict, dict, str, TrainOptions], dict] | None = None
     # A step may leave some trained parameters without a gradient (a mixture of experts whose router sends no
     # token to an expert, a branch taken on some steps): DDP then looks for them after every forward, a little
     # slower (find_unused_parameters). Without it such a step stops the job at the replica check, naming them.
@@ -202,12 +208,7 @@ class Task:
         if prepare is not None:
             run_once_per_storage(options.task.data_dir, env, device, lambda: prepare(options),
                                  what=f"preparing --data {options.task.data} in {options.task.data_dir}")
-        train_set, eval_set = self.datasets[options.task.data](options)
-        if self.data_stage is not None and (self.batches is not None or not hasattr(train_set, "set_stage")):
-            raise UsageError("task.py: Task(data_stage=...) hands its stage to the training set's set_stage(stage), "
-                             f"sampled by train.py (without Task.batches): give --data {options.task.data}'s training "
-                             "set that method")
-        return train_set, eval_set
+        return self.datasets[options.task.data](options)
 
     def build_state(self, model: nn.Module, options: TrainOptions, taken: set[str]) -> dict[str, Any]:
         """The task's state (Task.state), checked: every entry saveable, none named like one of `taken` (the
@@ -220,6 +221,8 @@ class Task:
             if not (hasattr(value, "state_dict") and hasattr(value, "load_state_dict")):
                 raise UsageError(f"task.py: Task(state=...)[{name!r}] is a {type(value).__name__}, which a "
                                  "checkpoint cannot hold; give it state_dict() and load_state_dict()")
+            if isinstance(value, PerRank):
+                value.name = name
         if getattr(model, "left_out_of_checkpoints", ()):  # saved in their place: a fingerprint of them
             state[LeftOutWeights.NAME] = LeftOutWeights(model, options.checkpoint.resume_changed_state)
         if self.evaluate_with is not None and not hasattr(state.get(self.evaluate_with), "swapped_into"):

@@ -27,12 +27,16 @@ def seed_and_choose_kernels(seed: int, deterministic: bool, env: DistEnv, device
         torch.backends.cudnn.benchmark = True
 
 
-def seed_per_rank(seed: int, env: DistEnv, device: torch.device) -> None:
+def seed_per_rank(seed: int, env: DistEnv, device: torch.device, rank_0_too: bool = False) -> None:
     """Once the model is built: the CPU and CUDA generators get a seed of their own per rank, so what a loss or a
     forward draws (torch.randn noise, dropout masks) differs between ranks, as it would between the samples of
     one large batch; with one seed everywhere every rank would draw the same noise for its different samples.
     A draw every rank must make alike (which blocks LayerDrop skips: ranks that ran different blocks would wait
-    for each other's gradients) takes a generator of its own, seeded from --seed and the step number."""
+    for each other's gradients) takes a generator of its own, seeded from --seed and the step number. Rank 0
+    keeps its generators as model building left them: one process draws what the plain script it was ported from
+    (torch.manual_seed, build the model, train) draws; `rank_0_too` reseeds it as well."""
+    if env.rank == 0 and not rank_0_too:
+        return
     torch.default_generator.manual_seed(rank_seed(seed, env.rank))
     if device.type == "cuda":
         with torch.cuda.device(device):

@@ -1,0 +1,106 @@
+"""The task's own state in checkpoints (Task(state=...) in task.py): an entry is the same on every rank and saved
+once, which is checked at every save, or a PerRank one, each rank's own saved and resumed on that rank."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .collectives import all_gather_objects, same_on_every_rank
+from .errors import UsageError
+from .replicas import bit_sum
+
+
+class PerRank:
+    """A task state entry whose value each rank holds apart (the hidden state a rank carries from batch to batch
+    over its own part of the data): every rank's is saved, and each rank resumes its own. A job resumed on
+    another number of ranks passes the saved ones, in rank order, to `resplit(states, world_size)`, which returns
+    the new ranks'; without it such a resume stops in one line. `value` has state_dict() and load_state_dict();
+    read it as step.state[name].value."""
+
+    def __init__(self, value: Any, resplit: Callable[[list[dict], int], list[dict]] | None = None):
+        self.value, self.resplit = value, resplit
+        self.name = "?"  # its entry's, set by Task.build_state
+        self.gathered: list[dict] | None = None
+
+    def gather_from_ranks(self) -> None:  # before each save, on every rank (a collective)
+        self.gathered = all_gather_objects(self.serialized())
+
+    def serialized(self) -> bytes:
+        """This rank's state as bytes: a list of them is saved whole, also in a DCP folder (which would load a
+        list of tensors only as far as the resuming rank's own list reaches)."""
+        buffer = io.BytesIO()
+        torch.save(on_cpu(self.value.state_dict()), buffer)
+        return buffer.getvalue()
+
+    def state_dict(self) -> dict:
+        return {"ranks": self.gathered if self.gathered is not None else [self.serialized()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        ranks = [torch.load(io.BytesIO(saved), weights_only=True) for saved in state["ranks"]]
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        if len(ranks) != world_size:
+            if self.resplit is None:
+                raise UsageError(f"the task state {self.name!r} is per rank: the checkpoint holds {len(ranks)} "
+                                 f"ranks' and this job has {world_size}; resume on {len(ranks)} ranks, or give "
+                                 "PerRank(..., resplit=...) in task.py to make the new ranks' from the saved ones")
+            ranks = self.resplit(ranks, world_size)
+            if len(ranks) != world_size:
+                raise UsageError(f"PerRank({self.name!r}).resplit returned {len(ranks)} states for {world_size} "
+                                 "ranks; return one per rank")
+        self.value.load_state_dict(ranks[rank])
+
+
+class Replicated:
+    """A task state entry the same on every rank (an EMA under DDP, a learned temperature): saved from one rank,
+    resumed on all. Before each save every rank's copy is compared (a fingerprint of its plain tensors and values;
+    FSDP2's sharded DTensors differ by design and are left out): one that differs would resume every rank with
+    rank 0's, without a word."""
+
+    def __init__(self, name: str, value: Any, device: torch.device):
+        self.name, self.value, self.device = name, value, device
+
+    def gather_from_ranks(self) -> None:  # before each save, on every rank (a collective)
+        if not same_on_every_rank(fingerprint(self.value.state_dict()), self.device):
+            raise UsageError(f"the task state {self.name!r} differs between ranks at a save, which keeps rank 0's "
+                             "for every rank: update it from values every rank shares (all-reduced ones), or, if "
+                             f"each rank keeps its own, give it as PerRank(...) in Task(state=...)")
+
+    def state_dict(self) -> Any:
+        return self.value.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.value.load_state_dict(state)
+
+
+def saved_entries(state: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The task state's checkpoint entries: a PerRank one as it is, any other compared across ranks at saves."""
+    return {name: value if isinstance(value, PerRank) else Replicated(name, value, device)
+            for name, value in state.items()}
+
+
+def on_cpu(state: Any) -> Any:
+    if isinstance(state, torch.Tensor):
+        return state.detach().cpu()
+    if isinstance(state, dict):
+        return {key: on_cpu(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(on_cpu(value) for value in state)
+    return state
+
+
+def fingerprint(state: Any) -> str:
+    """What a state holds, as text: each plain tensor's bit sum (replicas.bit_sum), each other value's repr."""
+    if isinstance(state, torch.Tensor):
+        sharded = type(state).__name__ == "DTensor"
+        return "DTensor" if sharded else f"{state.dtype}{tuple(state.shape)}:{int(bit_sum(state))}"
+    if isinstance(state, dict):
+        return "{" + ",".join(f"{key!r}:{fingerprint(value)}" for key, value in state.items()) + "}"
+    if isinstance(state, (list, tuple)):
+        return "[" + ",".join(map(fingerprint, state)) + "]"
+    return repr(state)
