@@ -17,7 +17,8 @@ OPTIONAL_FILES = {"slurm/train.sbatch": "use_slurm", "k8s/pytorchjob.yaml": "use
                   "PACKAGE/preflight.py": "use_preflight", "PACKAGE/profiling.py": "use_profiling",
                   "PACKAGE/export.py": "use_export", "docs/export.md": "use_export", "PACKAGE/trackers.py": "use_trackers",
                   "PACKAGE/engine/streaming.py": "use_streaming", "docs/streaming.md": "use_streaming",
-                  "PACKAGE/replica_groups.py": "fault_tolerance=torchft", "docs/replica-groups.md": "fault_tolerance=torchft"}
+                  "PACKAGE/replica_groups.py": "fault_tolerance=torchft", "docs/replica-groups.md": "fault_tolerance=torchft",
+                  "PACKAGE/sample.py": "task=language_model"}
 # Examples whose diffs edit the image task's task.py, kept only in its bakes.
 IMAGE_TASK_EXAMPLES = ["regression", "dict-batches", "whole-set-metric", "gan", "distillation", "lora", "two-optimizers",
                        "ema", "contrastive", "mixture-of-experts", "curriculum",

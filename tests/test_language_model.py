@@ -66,7 +66,7 @@ def uninterrupted(lm_project, text_dir, tmp_path_factory) -> tuple[Path, str]:
     ckpt_dir = tmp_path_factory.mktemp("lm-uninterrupted")
     # Evaluated every 6 steps, as a corpus of one long epoch is (nanoGPT's eval_interval), and the best kept.
     result = launch(lm_project, 2, data="text", data_dir=text_dir, batch_size=4, max_steps=16, ckpt_dir=ckpt_dir,
-                    eval_every_steps=6, keep_best="loss:min", log_dir=ckpt_dir / "logs")
+                    eval_every_steps=6, keep_best="loss:min", log_dir=ckpt_dir / "logs", sample_every=8)
     return ckpt_dir, result.stderr
 
 
@@ -91,6 +91,53 @@ def test_language_model_trains_on_a_text_file(uninterrupted):
     assert evaluation, output
     assert int(evaluation[3]) == HELD_OUT_BLOCKS * BLOCK
     assert float(evaluation[2]) == pytest.approx(np.exp(float(evaluation[1])), rel=1e-3)
+
+
+# Greedy text (temperature 0) from a model drawn with its key-value cache and without, in one process.
+CACHED_AND_NOT = """
+import torch
+from lm_training.sample import generate
+from lm_training.task import GPT
+torch.manual_seed(0)
+model = GPT(256, 16, 2, 2, 32, 0.0)
+prompt = list(b"1 alpha")
+print(generate(model, prompt, 40, temperature=0) == generate(model, prompt, 40, temperature=0, cache=False))
+"""
+
+
+def test_text_from_a_checkpoint_is_the_same_from_ddp_and_fsdp2_and_with_or_without_the_cache(
+        lm_project, text_dir, uninterrupted, tmp_path):
+    ckpt_dir, _ = uninterrupted
+    # Rank 0's text every --sample-every 8 steps, beside the run's logs.
+    written = (ckpt_dir / "logs" / "samples.txt").read_text()
+    assert re.findall(r"^--- step (\d+)$", written, re.M) == ["8", "16"], written
+    # The same run under FSDP2 (on 2 CPU ranks its gradients add up as DDP's): its step-16/ folder of shards
+    # gives the text the DDP file gives, for the same seed.
+    launch(lm_project, 2, data="text", data_dir=text_dir, batch_size=4, max_steps=16, ckpt_dir=tmp_path / "fsdp2",
+           strategy="fsdp2")
+
+    def sample(checkpoint: Path, *more: str) -> subprocess.CompletedProcess:
+        return run(["python", "-m", "lm_training.sample", str(checkpoint), "--prompt", "1 ", "--max-new-tokens", "48",
+                    "--temperature", "0.8", "--top-k", "20", "--seed", "3", *more], cwd=lm_project)
+    from_ddp, from_fsdp2 = sample(ckpt_dir), sample(tmp_path / "fsdp2" / "step-16")
+    assert from_ddp.returncode == 0 and from_fsdp2.returncode == 0, from_ddp.stderr + from_fsdp2.stderr
+    assert from_ddp.stdout == from_fsdp2.stdout and from_ddp.stdout.startswith("1 "), (from_ddp.stdout,
+                                                                                        from_fsdp2.stdout)
+    assert f"({ckpt_dir / 'step-16.pt'}, step 16: 48 tokens after a prompt of 2)" in from_ddp.stderr
+    alphabet = set(corpus(TRAIN_BLOCKS, seed=0).decode())  # the trained model's 20 likeliest bytes are the corpus's
+    assert set(from_ddp.stdout) <= alphabet, from_ddp.stdout  # (an untrained one's would be any of 256)
+    assert sample(ckpt_dir, "--seed", "4").stdout != from_ddp.stdout
+    cached = run(["python", "-c", CACHED_AND_NOT], cwd=lm_project)
+    assert cached.returncode == 0 and cached.stdout.strip() == "True", cached.stderr
+    # A checkpoint that is not there, or not readable: one line each.
+    missing = sample(tmp_path / "nothing")
+    assert missing.returncode == 1 and missing.stderr.strip() == (
+        f"error: {tmp_path / 'nothing'} does not exist; pass a --ckpt-dir, step-<N>.pt or step-<N>/"), missing.stderr
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "step-4.pt").write_bytes(b"not a checkpoint")
+    broken = sample(tmp_path / "broken" / "step-4.pt")
+    assert broken.returncode == 1 and len(broken.stderr.strip().splitlines()) == 1, broken.stderr
+    assert broken.stderr.startswith(f"error: {tmp_path / 'broken' / 'step-4.pt'} cannot be read ("), broken.stderr
 
 
 def test_fsdp2_token_files_resume_on_another_world_size_and_export(bake, text_dir, tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import io
+import json
 import math
 import random
 import re
@@ -441,7 +442,7 @@ def test_the_curriculum_example_learns_its_stage_and_resumes_it_after_kill_9_and
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-4000:]
     raised = re.findall(r"step (\d+): data_stage (\d+) from the next step on", uninterrupted.stderr)
     assert raised == [("16", "1"), ("24", "2")], uninterrupted.stderr[-4000:]
-    stages = {step: checkpoint(tmp_path / "uninterrupted", step)["learned"]["values"].get("data_stage", 0)
+    stages = {step: json.loads(checkpoint(tmp_path / "uninterrupted", step)["learned"]["values"]).get("data_stage", 0)
               for step in (8, 16, 24, 48)}
     assert stages == {8: 0, 16: 0, 24: 1, 48: 2}  # saved before the evaluation that raises it, which a resume redoes
     # Killed at step 16's checkpoint, before its evaluation raised the stage: the resume evaluates again, decides
@@ -1018,3 +1019,16 @@ def test_batches_in_order_are_told_the_world_size_and_each_rank_reads_its_own_pa
             read.append([index for batch in sampler for _, index in batch])
         part = 16 // world_size
         assert read == [list(range(part * rank, part * (rank + 1))) for rank in range(world_size)]
+
+
+def test_a_finished_run_resized_past_its_end_by_less_than_a_step_is_finished_not_refused(baked_module):
+    # 1 rank of 8 a step, then 2 ranks of 16 (24 samples a step on 3): a run of 100 samples ends at 112 there.
+    optim = baked_module("optim")
+    loader = SimpleNamespace(samples_per_step=16, steps_to=lambda samples, progress: 0, steps_in_epochs=None)
+    options = SimpleNamespace(max_steps=12, stop_at_step=None, epochs=1)
+    schedule = SimpleNamespace(run_samples=100, replanned="")
+    finished = SimpleNamespace(step=9, samples_seen=112)
+    assert optim.planned_steps(options, loader, finished, schedule) == 9
+    with pytest.raises(Exception, match=r"--max-steps 12 ends the run before the 10 steps the checkpoint already "
+                                        r"holds; pass --max-steps 14 or more"):
+        optim.planned_steps(options, loader, SimpleNamespace(step=10, samples_seen=116), schedule)

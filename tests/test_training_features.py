@@ -4,6 +4,7 @@ clipping, the LR schedule, compile, and what a run records (metrics.jsonl, Tenso
 from __future__ import annotations
 
 import fcntl
+import json
 import math
 import os
 import pty
@@ -19,6 +20,7 @@ from helpers import (
     assert_bitwise_equal,
     assert_trains_like_bare,
     checkpoint,
+    checkpoint_state,
     kill_a_worker_and_finish,
     metric_rows,
     run,
@@ -235,9 +237,17 @@ def test_a_rule_after_each_evaluation_scales_the_lr_and_survives_a_kill_9_right_
     assert "step 4: lr_scale 0.5 from the next step on (Task.after_evaluation)" in reference.stderr
     lrs = [checkpoint(tmp_path / "reference", step)["optimizer"]["param_groups"][0]["lr"] for step in (4, 8, 12, 16)]
     assert lrs == [0.01, 0.005, 0.0025, 0.00125]  # each step of an interval at the scale its start had
-    learned = checkpoint(tmp_path / "reference", 16)["learned"]["values"]
-    assert learned == {"lr_scale": 1 / 16, "closed": ["interval"] * 4}
+    learned = checkpoint(tmp_path / "reference", 16)["learned"]
+    assert json.loads(learned["values"]) == {"lr_scale": 1 / 16, "closed": ["interval"] * 4}
     # Killed after step 8's checkpoint, saved before the evaluation that halves the lr again: the resume redoes it.
     killed = start_job(project, tiny_run(**run_args, ckpt_dir=tmp_path / "killed"), max_restarts=1)
     kill_a_worker_and_finish(killed, tmp_path / "killed" / "step-8.pt")
     assert_bitwise_equal(checkpoint(tmp_path / "killed", 16), checkpoint(tmp_path / "reference", 16))
+    # Under FSDP2 (a DCP folder), paused at step 10 (the pause's evaluation is not the rule's) and resumed: it
+    # learns what the DDP run learnt, and ends at its lr.
+    for stop_at_step in (10, None):
+        sharded = run_job(project, tiny_run(**run_args, strategy="fsdp2", stop_at_step=stop_at_step,
+                                            ckpt_dir=tmp_path / "fsdp2"))
+        assert sharded.returncode == 0, sharded.stderr[-4000:]
+    state = checkpoint_state(tmp_path / "fsdp2", 16, tmp_path)
+    assert state["learned"] == learned and state["optimizer"]["param_groups"][0]["lr"] == 0.00125

@@ -233,8 +233,8 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
             else:
                 closes, progress.evaluation_due = progress.evaluation_due, ""
                 meter.log_evaluation(progress.step, progress.epoch, results, closes)
-                if task.after_evaluation is not None:  # what the task learns from it: an lr scale, a data stage
-                    learned.after(results, closes, options, progress.step)
+                if task.after_evaluation is not None and closes != "stop":  # (a pause is no part of the run)
+                    learned.after(results, closes, options, progress.step)  # the task's lr scale, data stage
                 # --keep-best judges the evaluations --eval-every(-steps) asks for: not one at an end in mid-interval.
                 if closes in ("interval", "epoch") and selection.judge(results, progress.step, stop.decided_by_rank_0):
                     with watchdog.slow_phase("saving the best checkpoint"):

@@ -144,6 +144,10 @@ class ShardedLoader(DataLoader):
         self.sampler.set_epoch(epoch, start_sample=samples_in_epoch)
         self.restart = False
 
+    @property
+    def stage(self):
+        return self.sampler.stage
+
     def set_stage(self, stage) -> None:
         """The data stage from the next step on, read from there anew in every loader worker (training_steps)."""
         if self.sampler.stage is None:

@@ -3,6 +3,7 @@ gathered from every rank, the same number of batches on every rank, and a stop t
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import Callable
@@ -166,6 +167,11 @@ class Learned:
 
     def after(self, results: dict, closes: str, options, step: int) -> None:
         values = self.rule(dict(self.values), results, closes, options)
+        try:
+            json.dumps(values)
+        except (TypeError, ValueError):
+            raise UsageError(f"Task.after_evaluation returned {values!r}: a dict of plain values (numbers, strings, "
+                             "lists and dicts of them), which checkpoints save as they are") from None
         every_rank = all_gather_objects(values)  # one rank's decision would train another run on each
         for name in sorted(set().union(*every_rank)):
             if len(ranks := {repr(each.get(name)): None for each in every_rank}) > 1:
@@ -183,15 +189,16 @@ class Learned:
 
     def apply(self) -> None:
         self.lr_schedule.scale = float(self.values.get("lr_scale", 1.0))
-        if "data_stage" in self.values:
+        if "data_stage" in self.values or getattr(self.loader, "stage", None) is not None:
             if not hasattr(self.loader, "set_stage"):
                 raise UsageError("Task.after_evaluation returned a data_stage, which reaches a training set that "
                                  "train.py samples (not Task.batches' batches, not a stream)")
-            self.loader.set_stage(self.values["data_stage"])
+            self.loader.set_stage(self.values.get("data_stage", 0))  # (0 where the rule returns none)
 
     def state_dict(self) -> dict:
-        return {"values": self.values}
+        # One string: a DCP folder (FSDP2) would save a dict key by key and load only the keys a fresh one has.
+        return {"values": json.dumps(self.values)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.values = state["values"]
+        self.values = json.loads(state["values"])
         self.apply()

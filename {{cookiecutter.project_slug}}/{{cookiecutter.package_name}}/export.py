@@ -23,22 +23,9 @@ from pathlib import Path
 
 import torch
 
-from .engine.checkpoint import missing_pieces
 from .engine.checkpoint.folder import BEST_RECORD, every_checkpoint
-from .engine.checkpoint.sharded import saved_options
+from .engine.checkpoint.weights import is_whole, load_checkpoint, newest_checkpoint
 from .task import TASK, TaskOptions
-
-
-def is_whole(checkpoint: Path) -> bool:
-    """A step-<N>.pt file, or a step-<N>/ folder with every shard its index names."""
-    return checkpoint.is_file() or missing_pieces(checkpoint) is None
-
-
-def newest_checkpoint(ckpt_dir: Path) -> Path:
-    for _, path in every_checkpoint(ckpt_dir):
-        if is_whole(path):
-            return path
-    raise SystemExit(f"error: no checkpoint in {ckpt_dir}; pass a step-<N>.pt file or step-<N>/ folder")
 
 
 def best_checkpoint(ckpt_dir: Path) -> Path:
@@ -58,52 +45,6 @@ def best_checkpoint(ckpt_dir: Path) -> Path:
             return path
     raise SystemExit(f"error: {ckpt_dir / BEST_RECORD} names step {step}, whose checkpoint is not there whole; "
                      "the next start of the job rewrites it from the newest checkpoint")
-
-
-def load_model_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """The model's full (unsharded) state_dict from either kind of checkpoint."""
-    return load_checkpoint(checkpoint)[0]
-
-
-def load_checkpoint(checkpoint: Path, weights: str | None = None) -> tuple[dict[str, torch.Tensor], dict, int]:
-    """(the model's full state_dict, the options the run had, its step) from either kind of checkpoint; with
-    `weights`, the name of a task state entry (an EMA) whose tensors replace the model's of the same names."""
-    entries = ("model",) if weights is None else ("model", weights)
-    if checkpoint.is_dir():
-        if problem := missing_pieces(checkpoint):
-            raise SystemExit(f"error: {checkpoint} is not a complete checkpoint ({problem})")
-        state = entries_and_step(checkpoint, entries)
-        options, step = saved_options(checkpoint) or {}, int(state["progress"]["step"])
-    else:
-        state = torch.load(checkpoint, map_location="cpu", weights_only=True)
-        options, step = state.get("options", {}), int(state["step"])
-    model = state["model"]
-    if weights is not None:
-        replaced = state.get(weights) or {}
-        if not replaced or not replaced.keys() <= model.keys():
-            raise SystemExit(f"error: {checkpoint} holds no {weights!r} entry of the model's tensors (TASK's "
-                             "evaluate_with); export the weights as trained with --trained")
-        model = {**model, **replaced}
-    return model, options, step
-
-
-def entries_and_step(folder: Path, entries: tuple[str, ...]) -> dict:
-    """{entry: its whole state_dict, ..., "progress": {"step": N}} from a DCP folder, in this one process: DCP
-    reads each tensor's shards from every rank's file into one tensor. Only these entries' values are read, not
-    the optimizer's moments beside them (twice the model's size for Adam), nor written to a scratch file first,
-    as DCP's own dcp_to_torch_save does."""
-    from torch.distributed import checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    reader = dcp.FileSystemReader(str(folder))
-    saved = reader.read_metadata().state_dict_metadata
-    state: dict = {"progress": {"step": 0}}
-    for entry in entries:
-        state[entry] = {name.removeprefix(f"{entry}."): (torch.empty(value.size, dtype=value.properties.dtype)
-                                                         if isinstance(value, TensorStorageMetadata) else None)
-                        for name, value in saved.items() if name.startswith(f"{entry}.")}
-    dcp.load(state, storage_reader=reader)  # no process group here: one process
-    return state
 
 
 def one_storage_each(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

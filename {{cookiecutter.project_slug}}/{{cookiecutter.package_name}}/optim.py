@@ -498,7 +498,8 @@ def planned_steps(options: TrainOptions, loader: Any, progress: Any, lr_schedule
     are trained (--max-steps'), else after --epochs, each epoch's own steps; or at --stop-at-step. A limit the
     checkpoint already passed is refused (the run would end at once), before the schedule says what it became."""
     run_samples = lr_schedule.run_samples
-    if run_samples is not None and progress.samples_seen > run_samples:
+    # (A resize's last step may end past run_samples by less than a step: that run is finished, not refused.)
+    if run_samples is not None and progress.samples_seen >= run_samples + loader.samples_per_step:
         needed = math.ceil(progress.samples_seen * options.max_steps / run_samples)
         raise UsageError(f"--max-steps {options.max_steps} ends the run before the {progress.step} steps the "
                          f"checkpoint already holds; pass --max-steps {needed} or more to go on, or another "

@@ -32,6 +32,7 @@ from .engine.distributed import DistEnv, StoreAddress, address_toward
 from .engine.errors import UsageError
 from .engine.replicas import bit_sum
 from .engine.reproducibility import seed_per_rank
+from .engine.task_state import PerRank
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +151,11 @@ class ReplicaGroups:
         """What a healing group copies from a running one: what a checkpoint holds (every component and the
         loop's progress), all but the random generators: each rank reseeds its own from --seed, its place in the
         nominal world and the step, so that two groups never draw the same dropout masks."""
+        if per_rank := [name for name, component in checkpointer.components.items() if isinstance(component, PerRank)]:
+            raise UsageError(f"--replica-groups heals a group with another group's state, but the task state "
+                             f"{per_rank[0]!r} is per rank (each rank's own, of its own data): train without "
+                             "--replica-groups, or keep that state the same on every rank")
+
         def state_dict() -> dict:
             return {"components": {name: component.state_dict() for name, component in checkpointer.components.items()
                                    if name != "replica_groups"}, "progress": asdict(progress)}

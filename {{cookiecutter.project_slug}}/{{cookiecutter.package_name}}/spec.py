@@ -129,9 +129,10 @@ class Task:
     # What the run learns from its evaluations: after_evaluation(learned, results, closes, options) -> learned, a
     # dict of plain values ({} at the start), called on every rank after each evaluation with summarize's results
     # (the same on every rank: decide from them and `learned` alone) and what it closes: "interval", "epoch", or
-    # where the run ended in mid-interval "run" or "stop". Saved with every checkpoint. Two keys act from the next
-    # step: "lr_scale" multiplies the lr schedule (reduce on plateau), "data_stage" reaches the training set's
-    # set_stage(stage) with each sample, in the process that loads it (a curriculum; not with Task.batches).
+    # "run" (its end in mid-interval; a --stop-at-step pause's is not given). Saved with checkpoints (plain values
+    # only). Two keys act from the next step: "lr_scale" multiplies the lr schedule (reduce on plateau),
+    # "data_stage" reaches the training set's set_stage(stage) with each sample, in the process that loads it (a
+    # curriculum; not with Task.batches).
     after_evaluation: Callable[[dict, dict, str, TrainOptions], dict] | None = None
     # A step may leave some trained parameters without a gradient (a mixture of experts whose router sends no
     # token to an expert, a branch taken on some steps): DDP then looks for them after every forward, a little

@@ -95,7 +95,9 @@ import functools
 {% endif -%}
 import math
 {% if cookiecutter.use_streaming == "yes" -%}
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+{% else -%}
+from collections.abc import Callable
 {% endif -%}
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +108,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from . import sample
 from .engine.errors import UsageError
 {%- if cookiecutter.use_streaming == "yes" %}
 from .engine.streaming import (
@@ -156,6 +159,8 @@ class TaskOptions:
     n_head: int = option(4, "attention heads per block", fixed=True)
     n_embd: int = option(128, "width of the residual stream", fixed=True)
     dropout: float = option(0.0, "dropout probability in attention and MLP outputs")
+    sample_every: int = option(0, "every this many steps, rank 0 appends text from the model to samples.txt in "
+                               "--log-dir (else --ckpt-dir); 0: never (python -m <package>.sample: a checkpoint's)")
 
 {%- endif %}
 
@@ -535,11 +540,17 @@ class SelfAttention(nn.Module):
         self.proj = nn.Linear(n_embd, n_embd, bias=False)
         self.proj_dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
+        """`cache` (sampling): the keys and values of the positions before x's, which x's are appended to; x is
+        then the whole context or one new position."""
         batch, time, channels = x.shape
         q, k, v = (part.view(batch, time, self.n_head, -1).transpose(1, 2)
                    for part in self.qkv(x).split(channels, dim=2))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0)
+        if cache is not None:
+            if cache:
+                k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
+            cache["k"], cache["v"] = k, v
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=time > 1, dropout_p=self.dropout if self.training else 0)
         return self.proj_dropout(self.proj(y.transpose(1, 2).reshape(batch, time, channels)))
 
 
@@ -554,8 +565,8 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd, bias=False), nn.GELU(),
                                  nn.Linear(4 * n_embd, n_embd, bias=False), nn.Dropout(dropout))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x))
+    def forward(self, x: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -582,10 +593,34 @@ class GPT(nn.Module):
         """FSDP2 shards one group per transformer block (parallel.py); the rest goes with the root."""
         return list(self.blocks)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+    def forward(self, tokens: torch.Tensor, cache: list[dict] | None = None) -> torch.Tensor:
+        """Logits (batch, time, vocab). `cache` (sampling, sample.py): a dict per block that keeps its keys and
+        values, so that each new token costs one position."""
+        start = cache[0]["k"].shape[2] if cache and cache[0] else 0
+        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
         x = self.dropout(self.token_embedding(tokens) + self.position_embedding(positions))
-        return self.head(self.norm(self.blocks(x)))  # logits: (batch, time, vocab)
+        for index, block in enumerate(self.blocks):
+            x = block(x, None if cache is None else cache[index])
+        return self.head(self.norm(x))
+
+
+def text_codec(options: TrainOptions) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]]:
+    """How text becomes the run's token ids and back (sampling): {% if cookiecutter.use_streaming == "yes" %}its --tokenizer's, else {% endif %}bytes."""
+{%- if cookiecutter.use_streaming == "yes" %}
+    if getattr(options.task, "tokenizer", ""):
+        tokenizer = load_tokenizer(options.task.tokenizer)[0]
+        return (lambda text: tokenizer.encode(text, add_special_tokens=False).ids), tokenizer.decode
+{%- endif %}
+    if options.task.data == "tokens":
+        raise UsageError("--data tokens holds token ids of a tokenizer this project does not have (GPT-2's for "
+                         "nanoGPT's files): sampling reads and writes bytes{% if cookiecutter.use_streaming == "yes" %} or a --tokenizer's{% endif %}")
+    return (lambda text: list(text.encode())), (lambda ids: bytes(i for i in ids if i < 256).decode(errors="replace"))
+
+
+def write_samples(step: Step, generator: torch.Generator) -> None:
+    """Task.rank_0_work's (--sample-every): the model's text, as it stands, into samples.txt."""
+    folder = Path(step.options.logging.log_dir or step.options.checkpoint.ckpt_dir)
+    sample.write_samples(step, generator, folder, text_codec(step.options))
 
 
 def gpt(options: TrainOptions, train_set: Dataset) -> nn.Module:
@@ -695,6 +730,7 @@ TASK = Task(
     units_in_batch=units_in_batch,
     model_flops_per_unit=model_flops_per_unit,
     check_options=check_options,
+    rank_0_work=("sample_every", write_samples),  # text from the model every --sample-every steps
     throughput_unit="tokens",
     training_defaults={"batch_size": 16, "lr": 1e-3},  # training options whose defaults suit this task better
     # tests/ train with these (plus --ckpt-dir, --max-steps ...): keep them tiny and learnable, so the smoke

@@ -4,6 +4,7 @@ once, which is checked at every save, or a PerRank one, each rank's own saved an
 from __future__ import annotations
 
 import io
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,12 @@ class PerRank:
         list of tensors only as far as the resuming rank's own list reaches)."""
         buffer = io.BytesIO()
         torch.save(on_cpu(self.value.state_dict()), buffer)
+        try:  # what a resume will do: refused now, not at the resume
+            torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+        except pickle.UnpicklingError as error:
+            raise UsageError(f"the task state {self.name!r} holds what torch.load(weights_only=True) refuses "
+                             f"({str(error).splitlines()[-1]}); make its state_dict() hold tensors and plain values"
+                             ) from None
         return buffer.getvalue()
 
     def state_dict(self) -> dict:
@@ -97,8 +104,10 @@ def on_cpu(state: Any) -> Any:
 def fingerprint(state: Any) -> str:
     """What a state holds, as text: each plain tensor's bit sum (replicas.bit_sum), each other value's repr."""
     if isinstance(state, torch.Tensor):
-        sharded = type(state).__name__ == "DTensor"
-        return "DTensor" if sharded else f"{state.dtype}{tuple(state.shape)}:{int(bit_sum(state))}"
+        if type(state).__name__ == "DTensor":  # shards differ by design
+            return "DTensor"
+        plain = state if state.element_size() in (1, 2, 4, 8) else state.contiguous().view(torch.uint8)  # complex128
+        return f"{state.dtype}{tuple(state.shape)}:{int(bit_sum(plain))}"
     if isinstance(state, dict):
         return "{" + ",".join(f"{key!r}:{fingerprint(value)}" for key, value in state.items()) + "}"
     if isinstance(state, (list, tuple)):
