@@ -18,11 +18,12 @@ OPTIONAL_FILES = {"slurm/train.sbatch": "use_slurm", "k8s/pytorchjob.yaml": "use
                   "PACKAGE/export.py": "use_export", "docs/export.md": "use_export", "PACKAGE/trackers.py": "use_trackers",
                   "PACKAGE/engine/streaming.py": "use_streaming", "docs/streaming.md": "use_streaming",
                   "PACKAGE/replica_groups.py": "fault_tolerance=torchft", "docs/replica-groups.md": "fault_tolerance=torchft",
-                  "PACKAGE/sample.py": "task=language_model"}
+                  "PACKAGE/sample.py": "task=language_model", "PACKAGE/prepare.py": "task=language_model"}
 # Examples whose diffs edit the image task's task.py, kept only in its bakes.
 IMAGE_TASK_EXAMPLES = ["regression", "dict-batches", "whole-set-metric", "gan", "distillation", "lora", "two-optimizers",
-                       "ema", "contrastive", "mixture-of-experts", "curriculum",
-                       "word-language-model"]
+                       "contrastive", "mixture-of-experts", "curriculum", "word-language-model"]
+# And the language model's, kept only in its bakes (ema has a diff for each task).
+LANGUAGE_MODEL_EXAMPLES = ["lr-per-group"]
 
 
 def make_executable(path: Path) -> None:
@@ -41,12 +42,11 @@ def remove_unwanted_files(project: Path, answers: dict) -> None:
         path.unlink()
         if not any(path.parent.iterdir()):
             path.parent.rmdir()
-    if answers["task"] != "image_classification":
-        for name in IMAGE_TASK_EXAMPLES:
-            for file in ("README.md", "change.diff"):
-                (project / "examples" / name / file).unlink(missing_ok=True)
-            if (project / "examples" / name).is_dir() and not any((project / "examples" / name).iterdir()):
-                (project / "examples" / name).rmdir()
+    for name in IMAGE_TASK_EXAMPLES if answers["task"] != "image_classification" else LANGUAGE_MODEL_EXAMPLES:
+        for file in ("README.md", "change.diff"):
+            (project / "examples" / name / file).unlink(missing_ok=True)
+        if (project / "examples" / name).is_dir() and not any((project / "examples" / name).iterdir()):
+            (project / "examples" / name).rmdir()
 
 
 def a_person_is_reading(project: Path, answers: dict, terminal: bool) -> bool:

@@ -64,15 +64,17 @@ def test_the_examples_diffs_match_the_code_they_edit():
 
 def test_the_examples_apply_and_lint_in_a_bake_with_streamed_training_sets_too(bake, tmp_path):
     # Its task.py has more imports and datasets, so each change.diff holds a second diff, made on its code.
-    project = bake(use_streaming="yes", project_name="Streamed Examples")
-    examples = sorted((project / "examples").iterdir())
-    assert len(examples) == len(POST_GEN.IMAGE_TASK_EXAMPLES) + 1  # + loss-weight, which edits train.py
-    for example in examples:
-        copy = shutil.copytree(project, tmp_path / example.name, ignore=shutil.ignore_patterns("examples"))
-        patched = run(["patch", "-p1", "-i", str(example / "change.diff")], cwd=copy)
-        assert patched.returncode == 0, (example.name, patched.stdout + patched.stderr)
-        lint = run(["ruff", "check", "--no-cache", "."], cwd=copy)
-        assert lint.returncode == 0, (example.name, lint.stdout)
+    for task, own in (("image_classification", POST_GEN.IMAGE_TASK_EXAMPLES),
+                      ("language_model", POST_GEN.LANGUAGE_MODEL_EXAMPLES)):
+        project = bake(use_streaming="yes", task=task, project_name=f"Streamed Examples {task[:5]}")
+        examples = sorted((project / "examples").iterdir())
+        assert len(examples) == len(own) + 2  # + loss-weight (it edits train.py) and ema (a diff for each task)
+        for example in examples:
+            copy = shutil.copytree(project, tmp_path / task / example.name, ignore=shutil.ignore_patterns("examples"))
+            patched = run(["patch", "-p1", "-i", str(example / "change.diff")], cwd=copy)
+            assert patched.returncode == 0, (task, example.name, patched.stdout + patched.stderr)
+            lint = run(["ruff", "check", "--no-cache", "."], cwd=copy)
+            assert lint.returncode == 0, (task, example.name, lint.stdout)
 
 
 def test_template_top_level_is_the_cards_layout():
@@ -300,15 +302,18 @@ def test_only_task_py_and_the_docs_differ_between_the_tasks(bake):
     default_project, language_model = bake(use_export="yes"), bake(task="language_model", use_export="yes")
     image_examples = {name for name in project_files(default_project)  # their diffs edit the image task's task.py
                       if name.split("/")[:2] in (["examples", example] for example in POST_GEN.IMAGE_TASK_EXAMPLES)}
-    sampling = {"ddp_training/sample.py"}  # text from a language model's checkpoint
+    own = {"ddp_training/sample.py", "ddp_training/prepare.py",  # a language model's text in and out
+           *(f"examples/{name}/{file}" for name in POST_GEN.LANGUAGE_MODEL_EXAMPLES for file in ("README.md",
+                                                                                                  "change.diff"))}
     assert image_examples
-    assert project_files(language_model) == project_files(default_project) - image_examples | sampling
-    differing = {name for name in project_files(language_model) - sampling
+    assert project_files(language_model) == project_files(default_project) - image_examples | own
+    differing = {name for name in project_files(language_model) - own
                  if (default_project / name).read_bytes() != (language_model / name).read_bytes()}
     # pyproject.toml and the Dockerfile: torchvision, which only the image task needs. The docs: the task's
     # throughput unit and its exported model's options.
     assert differing == {"ddp_training/task.py", "README.md", "docs/export.md", "docs/monitoring.md",
-                         ".cookiecutter.json", "pyproject.toml", "Dockerfile"}, differing
+                         ".cookiecutter.json", "pyproject.toml", "Dockerfile", "examples/ema/README.md",
+                         "examples/ema/change.diff"}, differing  # (ema: each task's diff)
 
 
 def test_generated_code_cites_no_template_issue_or_folder(bake):

@@ -140,6 +140,35 @@ def test_text_from_a_checkpoint_is_the_same_from_ddp_and_fsdp2_and_with_or_witho
     assert broken.stderr.startswith(f"error: {tmp_path / 'broken' / 'step-4.pt'} cannot be read ("), broken.stderr
 
 
+def test_a_corpus_tokenized_by_its_own_bpe_trains_as_token_files_and_as_text(lm_project, text_dir, tmp_path):
+    """prepare.py: a byte-level BPE trained on the corpus (no download), its ids written once as nanoGPT's uint16
+    files; the model's vocabulary is the tokenizer's, and --data text reads with it too."""
+    from tokenizers import Tokenizer
+
+    corpus_dir = tmp_path / "corpus"
+    corpus_dir.mkdir()
+    for name in ("train.txt", "val.txt"):
+        (corpus_dir / name).write_bytes((text_dir / name).read_bytes())
+    prepared = run(["python", "-m", "lm_training.prepare", str(corpus_dir), "--vocab-size", "320"], cwd=lm_project)
+    assert prepared.returncode == 0, prepared.stderr[-3000:]
+    tokenizer = Tokenizer.from_file(str(corpus_dir / "tokenizer.json"))
+    assert tokenizer.get_vocab_size() == 320 and tokenizer.token_to_id("<|endoftext|>") is not None
+    ids = np.fromfile(corpus_dir / "train.bin", dtype=np.uint16)
+    assert tokenizer.decode(ids.tolist()) == (text_dir / "train.txt").read_text()  # every byte, once
+    assert len(ids) < 0.6 * len((text_dir / "train.txt").read_bytes())  # merges: fewer tokens than bytes
+    assert f"wrote {len(ids):,} and " in prepared.stdout and "--tokenizer" in prepared.stdout, prepared.stdout
+    tokenized = dict(data_dir=corpus_dir, tokenizer=corpus_dir / "tokenizer.json", batch_size=4, max_steps=4)
+    launch(lm_project, 2, data="tokens", ckpt_dir=tmp_path / "tokens", **tokenized)
+    assert torch.load(tmp_path / "tokens" / "step-4.pt", weights_only=True)["model"][
+        "token_embedding.weight"].shape == (320, 32)
+    as_text = launch(lm_project, 2, data="text", ckpt_dir=tmp_path / "text", **tokenized)
+    held_out = len(tokenizer.encode((text_dir / "val.txt").read_text()).ids)
+    assert f"on {(held_out - 1) // BLOCK * BLOCK} held-out tokens" in as_text.stderr, as_text.stderr[-2000:]
+    refused = run(["python", "-m", "lm_training.prepare", str(corpus_dir), "--vocab-size", "100"], cwd=lm_project)
+    assert refused.returncode == 1 and refused.stderr.strip() == (
+        "error: --vocab-size must be from 257 (the bytes and <|endoftext|>) to 65536 (uint16 ids), got 100")
+
+
 def test_fsdp2_token_files_resume_on_another_world_size_and_export(bake, text_dir, tmp_path):
     project = bake(task="language_model", strategy="fsdp2", project_name="LM FSDP", use_export="yes")
     tokens = tmp_path / "tokens"

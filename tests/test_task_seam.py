@@ -495,6 +495,21 @@ def test_the_word_language_model_port_resumes_every_ranks_hidden_state_and_refus
     assert refused.returncode != 0 and refused.stderr.count(line) == 1, refused.stderr[-3000:]
 
 
+@pytest.mark.slow
+def test_the_language_models_examples_ema_and_lr_per_group_apply_together_and_resume_bitwise(bake, tmp_path):
+    """The language-model bake's examples: ema (its own diff of that task.py) and lr-per-group, applied together,
+    trained, killed by kill -9 and resumed bit for bit."""
+    project = bake(task="language_model", project_name="LM Examples")
+    for name in ("ema", "lr-per-group"):
+        apply_example(project, name)
+    # Paused at step 30, as the project's own smoke test runs it: the lr near its peak, where the loss falls.
+    trains_learns_and_resumes_bitwise_after_kill_9(project, tmp_path, *flags(log_every=5, stop_at_step=30))
+    state = checkpoint(tmp_path / "uninterrupted", 30)
+    embeddings, matrices, norms = (group["lr"] for group in state["optimizer"]["param_groups"])
+    assert embeddings == pytest.approx(matrices * 10) and matrices == norms  # each group's peak, one schedule
+    assert state["ema"].keys() == state["model"].keys()
+
+
 # The example's summarize, checked: one row per evaluated sample (the sums count 129 held-out samples: the log
 # line), from every rank, none twice.
 EVERY_ROW_ONCE = '''

@@ -891,6 +891,37 @@ RECIPES = {"regression": REGRESSION, "dict-batches": TAGGER, "whole-set-metric":
            "word-language-model": WORD_LM}
 
 
+LM_BUILD_OPTIMIZER = '''def build_optimizer(model: nn.Module, options: TrainOptions) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (not norms or biases), as nanoGPT. The warmup + decay
+    schedule scales whatever lr this starts with. Frozen parameters (requires_grad False) are left out."""
+    trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    matrices = [p for p in trained if p.dim() >= 2]
+    others = [p for p in trained if p.dim() < 2]
+    return torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1}, {"params": others, "weight_decay": 0.0}],
+                             lr=options.lr, betas=(0.9, 0.95))
+'''
+
+LR_PER_GROUP = {"PACKAGE/task.py": [
+    (LM_BUILD_OPTIMIZER, '''def build_optimizer(model: nn.Module, options: TrainOptions) -> torch.optim.Optimizer:
+    """AdamW with an lr per group: the embeddings at ten times --lr (a row learns only from its own token's
+    gradients), the matrices at --lr with weight decay, the norms at --lr without. The schedule scales each
+    group's own peak; the log names the peaks once."""
+    embedding = ("token_embedding.", "position_embedding.")
+    trained = [(name, parameter) for name, parameter in model.named_parameters() if parameter.requires_grad]
+    embeddings = [parameter for name, parameter in trained if name.startswith(embedding)]
+    rest = [parameter for name, parameter in trained if not name.startswith(embedding)]
+    return torch.optim.AdamW([{"params": embeddings, "lr": options.lr * 10, "weight_decay": 0.0},
+                              {"params": [p for p in rest if p.dim() >= 2], "weight_decay": 0.1},
+                              {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
+                             lr=options.lr, betas=(0.9, 0.95))
+'''),
+]}
+
+# Recipes for the language-model bake's task.py (the same names as an image recipe: one example, two diffs).
+LM_RECIPES = {"ema": EMA, "lr-per-group": LR_PER_GROUP}
+LANGUAGE_MODEL = '{% if cookiecutter.task == "language_model" %}'
+
+
 def sorted_imports(project: Path, relative: str, text: str) -> str:
     """`text` with its imports in the order the project's ruff (isort) wants, as a user's editor would put them."""
     ruff = Path(sys.executable).parent / "ruff"
@@ -934,24 +965,29 @@ def hunks(diff: str) -> str:
 
 def main(check: bool = "--check" in sys.argv) -> None:
     """Write the diffs; with --check, only say whether the examples hold them already (exit 1 if not)."""
-    diffs = {}
+    diffs, lm_diffs = {}, {}
     with tempfile.TemporaryDirectory() as folder:
-        for streaming in (False, True):
-            project = Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=f"{folder}/{streaming}",
-                                        extra_context={"use_streaming": "yes" if streaming else "no"}))
-            for name, recipe in RECIPES.items():
-                diffs.setdefault(name, []).append(diff_of(project, recipe, streaming))
-        # The optional parts' own lines (profiling's in train.py) must not reach a diff's context: one diff
-        # serves bakes with and without them (patch finds a hunk whose line numbers moved).
-        project = Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=f"{folder}/full", extra_context={
-            name: "yes" for name in ("use_preflight", "use_profiling", "use_export", "use_trackers")}))
-        for name, recipe in RECIPES.items():
-            if hunks(diff_of(project, recipe, False)) != hunks(diffs[name][0]):
-                sys.exit(f"examples/{name}: its diff differs in a bake with every optional part; move its edits "
-                         "away from their lines")
-    # One file for both bakes, rendered by cookiecutter: the diff made on the bake's own code.
-    diffs = {name: plain if plain == streamed else f"{STREAMING}{streamed}{{% else %}}{plain}{{% endif %}}"
-             for name, (plain, streamed) in diffs.items()}
+        for task, recipes, found in (("image_classification", RECIPES, diffs), ("language_model", LM_RECIPES, lm_diffs)):
+            for streaming in (False, True):
+                project = Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=f"{folder}/{task}{streaming}",
+                                            extra_context={"use_streaming": "yes" if streaming else "no", "task": task}))
+                for name, recipe in recipes.items():
+                    found.setdefault(name, []).append(diff_of(project, recipe, streaming))
+            # The optional parts' own lines (profiling's in train.py) must not reach a diff's context: one diff
+            # serves bakes with and without them (patch finds a hunk whose line numbers moved).
+            project = Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=f"{folder}/{task}full", extra_context={
+                "task": task, **{name: "yes" for name in ("use_preflight", "use_profiling", "use_export", "use_trackers")}}))
+            for name, recipe in recipes.items():
+                if hunks(diff_of(project, recipe, False)) != hunks(found[name][0]):
+                    sys.exit(f"examples/{name}: its diff differs in a bake with every optional part; move its edits "
+                             "away from their lines")
+
+    def one_file(plain: str, streamed: str) -> str:  # for both bakes, rendered by cookiecutter
+        return plain if plain == streamed else f"{STREAMING}{streamed}{{% else %}}{plain}{{% endif %}}"
+    diffs = {name: one_file(*variants) for name, variants in diffs.items()}
+    for name, variants in lm_diffs.items():  # the language model's own, or both tasks' in one file
+        lm = one_file(*variants)
+        diffs[name] = lm if name not in diffs else f"{LANGUAGE_MODEL}{lm}{{% else %}}{diffs[name]}{{% endif %}}"
     written = {name: path.read_text() if (path := EXAMPLES / name / "change.diff").exists() else None
                for name in diffs}
     stale = [name for name, diff in diffs.items() if written[name] != diff]

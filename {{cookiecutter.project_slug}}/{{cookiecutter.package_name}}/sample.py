@@ -1,7 +1,7 @@
 """Text from a trained language model, in one plain process (no torchrun, no GPU needed):
 
     python -m {{ cookiecutter.package_name }}.sample checkpoints --prompt "the cat" --max-new-tokens 200
-    python -m {{ cookiecutter.package_name }}.sample checkpoints/step-1000 --temperature 0.8 --top-k 50 --seed 1
+    python -m {{ cookiecutter.package_name }}.sample checkpoints/step-1000 --temperature 0.8 --top-k 50
 
 reads the newest whole checkpoint of a --ckpt-dir (or the step-<N>.pt file or step-<N>/ folder given), rebuilds
 the model from the options that run recorded, with the weights evaluation used (TASK's evaluate_with: an EMA;

@@ -90,9 +90,7 @@ class TaskOptions:
 {%- else -%}
 from __future__ import annotations
 
-{% if cookiecutter.use_streaming == "yes" -%}
 import functools
-{% endif -%}
 import math
 {% if cookiecutter.use_streaming == "yes" -%}
 from collections.abc import Callable, Iterator
@@ -146,10 +144,11 @@ class TaskOptions:
     piece_mb: float = option(
         16, "for --data stream: ranks and loader workers are dealt the corpus in pieces of about this many MB "
         "(a parquet row group is one piece)", fixed=True)
-    tokenizer: str = option(
-        "", "for --data stream: a tokenizer.json (Hugging Face tokenizers) to read the text with, whose "
-        "<|endoftext|> ends each document; default: bytes", fixed=True)
 {%- endif %}
+    tokenizer: str = option(
+        "", "a tokenizer.json (Hugging Face tokenizers; prepare.py makes one) to read --data text"
+        "{% if cookiecutter.use_streaming == "yes" %} and stream{% endif %} with, and what --data tokens' ids are "
+        "(for sampling); default: bytes", fixed=True)
     fake_samples: int = option(2048, "sequences in the fake training set (the held-out set is a quarter of it)")
     model: str = option("gpt", "a model in task.py's TASK: gpt (a decoder-only transformer)", fixed=True)
     block_size: int = option(128, "context length in tokens; a training sample is one block", fixed=True)
@@ -427,6 +426,24 @@ def fake_text(options: TrainOptions) -> tuple[Dataset, Dataset]:
     return blocks(samples, options.seed), blocks(max(samples // 4, 1), options.seed + 1)
 
 
+@functools.cache  # once per process: each loader worker loads its own
+def load_tokenizer(path: str):
+    """(the tokenizer of a tokenizer.json, the id of its end-of-text token)."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise UsageError("--tokenizer needs the tokenizers library: pip install -e '.[tokenizers]'") from None
+    if not Path(path).is_file():
+        raise UsageError(f"--tokenizer {path}: no such file; give the path of a tokenizer.json, or leave it out "
+                         "to read bytes")
+    tokenizer = Tokenizer.from_file(path)
+    end = tokenizer.token_to_id("<|endoftext|>")
+    if end is None:
+        raise UsageError(f"--tokenizer {path} has no <|endoftext|> token, which ends each document; add it to the "
+                         "tokenizer's special tokens")
+    return tokenizer, end
+
+
 def text_files(data_dir: str) -> tuple[Path, Path | None]:
     root = Path(data_dir)
     if (root / "train.txt").is_file() and (root / "val.txt").is_file():
@@ -438,11 +455,20 @@ def text_files(data_dir: str) -> tuple[Path, Path | None]:
 
 
 def text(options: TrainOptions) -> tuple[Dataset, Dataset]:
+    """--data-dir's text as bytes, or as --tokenizer's ids (read whole: prepare.py writes a large corpus's ids
+    once, for --data tokens)."""
     train_file, val_file = text_files(options.task.data_dir)
-    if val_file is not None:
-        train, held_out = byte_tokens(train_file.read_bytes()), byte_tokens(val_file.read_bytes())
+    if options.task.tokenizer:
+        tokenizer = load_tokenizer(options.task.tokenizer)[0]
+        def read(path: Path) -> np.ndarray:
+            return np.array(tokenizer.encode(path.read_text(), add_special_tokens=False).ids, dtype=np.int64)
     else:
-        corpus = byte_tokens(train_file.read_bytes())
+        def read(path: Path) -> np.ndarray:
+            return byte_tokens(path.read_bytes())
+    if val_file is not None:
+        train, held_out = read(train_file), read(val_file)
+    else:
+        corpus = read(train_file)
         train, held_out = corpus[:len(corpus) * 9 // 10], corpus[len(corpus) * 9 // 10:]
     return TokenBlocks(train, options.task.block_size), TokenBlocks(held_out, options.task.block_size)
 
@@ -464,24 +490,6 @@ def token_files(options: TrainOptions) -> tuple[Dataset, Dataset]:
 
 END_OF_TEXT = 256  # streamed bytes: the token after each document, one past the byte values
 TEXT_FILES = (".jsonl", ".txt", ".parquet")
-
-
-@functools.cache  # once per process: each loader worker loads its own
-def load_tokenizer(path: str):
-    """(the tokenizer of a tokenizer.json, the id of its end-of-text token)."""
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise UsageError("--tokenizer needs the tokenizers library: pip install -e '.[streaming]'") from None
-    if not Path(path).is_file():
-        raise UsageError(f"--tokenizer {path}: no such file; give the path of a tokenizer.json, or leave it out "
-                         "to read bytes")
-    tokenizer = Tokenizer.from_file(path)
-    end = tokenizer.token_to_id("<|endoftext|>")
-    if end is None:
-        raise UsageError(f"--tokenizer {path} has no <|endoftext|> token, which ends each document; add it to the "
-                         "tokenizer's special tokens")
-    return tokenizer, end
 
 
 def text_windows(piece: tuple, block_size: int, tokenizer: str = "") -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -522,9 +530,11 @@ def streamed_text(options: TrainOptions) -> tuple[StreamedDataset, Dataset]:
 def vocab_size(options: TrainOptions) -> int:
     if options.task.vocab_size is not None:
         return options.task.vocab_size
+    if options.task.tokenizer:
+        return load_tokenizer(options.task.tokenizer)[0].get_vocab_size()
 {%- if cookiecutter.use_streaming == "yes" %}
     if options.task.data == "stream":
-        return load_tokenizer(options.task.tokenizer)[0].get_vocab_size() if options.task.tokenizer else END_OF_TEXT + 1
+        return END_OF_TEXT + 1
 {%- endif %}
     return 50304 if options.task.data == "tokens" else 256  # GPT-2's 50257, padded to a multiple of 64
 
@@ -605,15 +615,13 @@ class GPT(nn.Module):
 
 
 def text_codec(options: TrainOptions) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]]:
-    """How text becomes the run's token ids and back (sampling): {% if cookiecutter.use_streaming == "yes" %}its --tokenizer's, else {% endif %}bytes."""
-{%- if cookiecutter.use_streaming == "yes" %}
-    if getattr(options.task, "tokenizer", ""):
+    """How text becomes the run's token ids and back (sampling): its --tokenizer's, else bytes."""
+    if options.task.tokenizer:
         tokenizer = load_tokenizer(options.task.tokenizer)[0]
         return (lambda text: tokenizer.encode(text, add_special_tokens=False).ids), tokenizer.decode
-{%- endif %}
     if options.task.data == "tokens":
-        raise UsageError("--data tokens holds token ids of a tokenizer this project does not have (GPT-2's for "
-                         "nanoGPT's files): sampling reads and writes bytes{% if cookiecutter.use_streaming == "yes" %} or a --tokenizer's{% endif %}")
+        raise UsageError("--data tokens was trained without --tokenizer, so its ids' text is unknown here (GPT-2's "
+                         "for nanoGPT's files): train with the tokenizer.json that made them")
     return (lambda text: list(text.encode())), (lambda ids: bytes(i for i in ids if i < 256).decode(errors="replace"))
 
 
@@ -711,9 +719,9 @@ def check_options(options: TrainOptions) -> None:
         elif options.eval_every or options.eval_every_steps:
             raise UsageError("--data stream evaluates on --eval-files (a small held-out set, read whole); give "
                              "them, or --eval-every 0")
-        if task.tokenizer:
-            load_tokenizer(task.tokenizer)
 {%- endif %}
+    if task.tokenizer:
+        load_tokenizer(task.tokenizer)
 
 
 # ---- what the package calls --------------------------------------------------------------------------------
