@@ -68,7 +68,8 @@ def test_the_examples_apply_and_lint_in_a_bake_with_streamed_training_sets_too(b
                       ("language_model", POST_GEN.LANGUAGE_MODEL_EXAMPLES)):
         project = bake(use_streaming="yes", task=task, project_name=f"Streamed Examples {task[:5]}")
         examples = sorted((project / "examples").iterdir())
-        assert len(examples) == len(own) + 2  # + loss-weight (it edits train.py) and ema (a diff for each task)
+        # + loss-weight (it edits train.py), and ema, lora and mixture-of-experts (a diff for each task)
+        assert len(examples) == len(own) + 4
         for example in examples:
             copy = shutil.copytree(project, tmp_path / task / example.name, ignore=shutil.ignore_patterns("examples"))
             patched = run(["patch", "-p1", "-i", str(example / "change.diff")], cwd=copy)
@@ -312,8 +313,9 @@ def test_only_task_py_and_the_docs_differ_between_the_tasks(bake):
     # pyproject.toml and the Dockerfile: torchvision, which only the image task needs. The docs: the task's
     # throughput unit and its exported model's options.
     assert differing == {"ddp_training/task.py", "README.md", "docs/export.md", "docs/monitoring.md",
-                         ".cookiecutter.json", "pyproject.toml", "Dockerfile", "examples/ema/README.md",
-                         "examples/ema/change.diff"}, differing  # (ema: each task's diff)
+                         ".cookiecutter.json", "pyproject.toml", "Dockerfile",
+                         *(f"examples/{name}/{file}" for name in ("ema", "lora", "mixture-of-experts")
+                           for file in ("README.md", "change.diff"))}, differing  # (each task's own diff)
 
 
 def test_generated_code_cites_no_template_issue_or_folder(bake):

@@ -510,6 +510,35 @@ def test_the_language_models_examples_ema_and_lr_per_group_apply_together_and_re
     assert state["ema"].keys() == state["model"].keys()
 
 
+
+MAKE_BASE = "import sys; from pathlib import Path; from {}.task import base_file; print(*base_file(Path(sys.argv[1])))"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", ["lora", "mixture-of-experts"])
+def test_the_language_models_lora_and_mixture_of_experts_train_and_resume_bitwise(bake, tmp_path, example):
+    """The language-model bake's lora (adapters on a base checkpoint the example's base_file makes, left out of
+    every checkpoint) and mixture-of-experts (its load-balancing loss logged): each trained, killed by kill -9 and
+    resumed bit for bit."""
+    project = bake(task="language_model", project_name=f"LM {example}")
+    apply_example(project, example)
+    package = project.name.replace("-", "_")
+    base = run([sys.executable, "-c", MAKE_BASE.format(package), str(tmp_path)], cwd=project) if example == "lora" \
+        else None
+    extra = base.stdout.split() if base else []
+    assert not base or (base.returncode == 0 and extra[0] == "--base"), base and base.stderr[-2000:]
+    run_args = [*extra, *flags(log_every=5, stop_at_step=30)]
+    rows = trains_learns_and_resumes_bitwise_after_kill_9(project, tmp_path, *run_args)
+    state = checkpoint(tmp_path / "uninterrupted", 30)
+    if example == "lora":
+        assert state["model"] and not any(key.startswith("base.") for key in state["model"]), list(state["model"])
+        assert "left_out_weights" in state  # the base's fingerprint, checked at every resume
+        ups = [tensor for key, tensor in state["model"].items() if key.endswith(".1.weight")]
+        assert len(ups) == 2 * 4 + 1 and all(tensor.abs().sum() > 0 for tensor in ups)  # every update trained
+    else:
+        balance = [row["balance"] for row in rows if row["kind"] == "train"]
+        assert len(balance) == 6 and all(0.9 < value < 4 for value in balance), balance  # 4 experts: 1 is even
+
 # The example's summarize, checked: one row per evaluated sample (the sums count 129 held-out samples: the log
 # line), from every rank, none twice.
 EVERY_ROW_ONCE = '''

@@ -917,8 +917,194 @@ LR_PER_GROUP = {"PACKAGE/task.py": [
 '''),
 ]}
 
+LM_MODEL_OPTION = '''    model: str = option("gpt", "a model in task.py's TASK: gpt (a decoder-only transformer)", fixed=True)
+'''
+LM_DROPOUT_OPTION = '''    dropout: float = option(0.0, "dropout probability in attention and MLP outputs")
+'''
+LM_GPT_BUILDER = '''def gpt(options: TrainOptions, train_set: Dataset) -> nn.Module:
+    task = options.task
+    return GPT(vocab_size(options), task.block_size, task.n_layer, task.n_head, task.n_embd, task.dropout)
+'''
+LM_SMOKE_ARGS = '''    smoke_test_args=["--data", "fake", "--fake-samples", "256", "--block-size", "32", "--n-layer", "2",
+                     "--n-head", "2", "--n-embd", "64", "--batch-size", "8", "--num-workers", "0", "--device",
+                     "cpu", "--lr", "3e-3", "--eval-every-steps", "8"],
+'''
+LM_COMPUTE_LOSS_END = '''    Step): its number (1 for the first), the options (the task's as step.options.task), the plain model."""
+    return logits_and_loss(model, batch)[1]
+'''
+
+
+def lm_smoke_args(model: str) -> str:
+    """LM_SMOKE_ARGS training --model `model`."""
+    return LM_SMOKE_ARGS.replace('"8"],\n', f'"8",\n                     "--model", "{model}"],\n')
+
+
+LM_LORA = {"PACKAGE/task.py": [
+    ("from pathlib import Path\n", "from pathlib import Path\nfrom types import SimpleNamespace\n"),
+    ("from .spec import Task\n", "from .engine.checkpoint.weights import load_checkpoint\n"
+     "from .spec import Task, leave_out_of_checkpoints\n"),
+    (LM_MODEL_OPTION, '''    model: str = option("gpt", "a model in task.py's TASK: gpt (a decoder-only transformer), lora (low-rank "
+                        "adapters on the frozen gpt of --base)", fixed=True)
+'''),
+    (LM_DROPOUT_OPTION, LM_DROPOUT_OPTION + '''    base: str = option("", "for --model lora: the frozen base, a checkpoint of a gpt run of this shape (its "
+                       "step-<N>.pt or step-<N>/); none: a random base, to try it out")
+    lora_rank: int = option(8, "for --model lora: the rank of each linear layer's trained update", fixed=True)
+'''),
+    ("\n\ndef text_codec(", '''
+
+
+class LoRA(nn.Module):
+    """Low-rank adapters on a frozen GPT (Hu et al., 2021): each linear layer of the base gets a trained update,
+    B(A(input)), added to its output. B starts at zero, so training starts from the base's own outputs. The base is
+    read again each run from --base, so checkpoints leave it out (and hold its fingerprint)."""
+
+    def __init__(self, base: GPT, rank: int):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.block_size = base.block_size
+        self.adapters = nn.ModuleDict()
+        for name, layer in base.named_modules():
+            if isinstance(layer, nn.Linear):
+                down = nn.Linear(layer.in_features, rank, bias=False)
+                up = nn.Linear(rank, layer.out_features, bias=False)
+                nn.init.zeros_(up.weight)
+                self.adapters[adapter_name(name)] = nn.Sequential(down, up)
+                layer.register_forward_hook(functools.partial(self.add_update, adapter_name(name)))
+
+    def add_update(self, name: str, layer: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+        return output + self.adapters[name](inputs[0])
+
+    @property
+    def blocks(self) -> nn.Sequential:  # sampling keeps a cache per block
+        return self.base.blocks
+
+    def forward(self, tokens: torch.Tensor, cache: list[dict] | None = None) -> torch.Tensor:
+        return self.base(tokens, cache)
+
+
+def text_codec('''),
+    (LM_GPT_BUILDER, LM_GPT_BUILDER + '''
+
+def adapter_name(layer: str) -> str:
+    return layer.replace(".", "_")  # a ModuleDict key has no dots
+
+
+def lora_base(options: TrainOptions) -> GPT:
+    """The frozen gpt of --base, of this run's shape (a random one without --base)."""
+    base = gpt(options, None)
+    if options.task.base:
+        weights, saved, _ = load_checkpoint(Path(options.task.base))
+        shape = ("model", "vocab_size", "tokenizer", "block_size", "n_layer", "n_head", "n_embd")
+        differs = [f"--{name.replace('_', '-')} {saved.get(name)}" for name in shape
+                   if saved.get(name) != {**vars(options.task), "model": "gpt"}[name]]
+        if differs:
+            raise UsageError(f"--base {options.task.base} was trained with {', '.join(differs)}; train --model lora "
+                             "with its flags, or give a gpt checkpoint of this shape")
+        base.load_state_dict(weights)
+    return base
+
+
+def lora(options: TrainOptions, train_set: Dataset) -> nn.Module:
+    return leave_out_of_checkpoints(LoRA(lora_base(options), options.task.lora_rank), "base")
+
+
+def merged_lora(weights: dict[str, torch.Tensor], task: TaskOptions) -> dict[str, torch.Tensor]:
+    """TASK.export_weights, what the export writes: for --model lora, each update merged into its base layer, W + B A,
+    a plain gpt's weights; for another model, its weights as they are."""
+    if task.model != "lora":
+        return weights
+    base = lora_base(SimpleNamespace(task=task))
+    merged = base.state_dict()
+    for name, layer in base.named_modules():
+        down, up = (weights.get(f"adapters.{adapter_name(name)}.{index}.weight") for index in (0, 1))
+        if down is not None:
+            merged[f"{name}.weight"] = layer.weight + up @ down
+    return merged
+
+
+def base_file(folder: Path) -> list[str]:
+    """For tests/ (TASK.smoke_test_files): a base checkpoint of smoke_test_args' shape, as a gpt run writes one (a
+    random gpt here; yours: a run's step-<N>.pt), and the flag naming it."""
+    task = TaskOptions(block_size=32, n_layer=2, n_head=2, n_embd=64)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        base = gpt(SimpleNamespace(task=task), None)
+    torch.save({"model": base.state_dict(), "options": vars(task), "step": 0}, folder / "base.pt")
+    return ["--base", str(folder / "base.pt")]
+'''),
+    ('    models={"gpt": gpt},\n', '    models={"gpt": gpt, "lora": lora},\n'),
+    ("    compute_loss=compute_loss,\n", "    compute_loss=compute_loss,\n"
+     "    export_weights=merged_lora,  # adapters merged into their base\n"
+     "    smoke_test_files=base_file,\n"),
+    (LM_SMOKE_ARGS, lm_smoke_args("lora")),
+]}
+
+LM_MIXTURE = {"PACKAGE/task.py": [
+    (LM_MODEL_OPTION, '''    model: str = option("gpt", "a model in task.py's TASK: gpt (a decoder-only transformer), moe (gpt with each "
+                        "block's MLP a mixture of --experts experts)", fixed=True)
+'''),
+    (LM_DROPOUT_OPTION, LM_DROPOUT_OPTION + '''    experts: int = option(4, "for --model moe: experts per block, each token sent to one", fixed=True)
+    balance_weight: float = option(0.01, "for --model moe: the load-balancing loss's weight in the loss")
+'''),
+    ("\n\nclass Block(nn.Module):\n", '''
+
+
+class MixtureOfExperts(nn.Module):
+    """A block's MLP as several experts, each token sent to one by a router and its output scaled by its gate (top-1,
+    the Switch Transformer's). Every expert runs every step, on the tokens it got, none included: an expert that got
+    none has a zero gradient, not none, so DDP and FSDP2 reduce the same parameters on every rank, every step."""
+
+    def __init__(self, n_embd: int, experts: int, dropout: float, n_layer: int):
+        super().__init__()
+        self.router = nn.Linear(n_embd, experts, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(n_embd, 4 * n_embd, bias=False), nn.GELU(),
+                                                   nn.Linear(4 * n_embd, n_embd, bias=False)) for _ in range(experts))
+        self.dropout = nn.Dropout(dropout)
+        for name, parameter in self.named_parameters():  # as GPT's own MLP
+            nn.init.normal_(parameter, std=0.02 / math.sqrt(2 * n_layer) if name.endswith("2.weight") else 0.02)
+        self.balance_loss = torch.zeros(())  # the last forward's (compute_loss adds it)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        gates = self.router(tokens).float().softmax(dim=-1)
+        chosen = gates.argmax(dim=-1)
+        out = torch.zeros_like(tokens)
+        for index, expert in enumerate(self.experts):
+            sent = (chosen == index).nonzero().squeeze(1)
+            out.index_add_(0, sent, expert(tokens[sent]) * gates[sent, index, None].to(tokens.dtype))
+        # The Switch Transformer's load-balancing loss: experts x the sum over experts of (the share of tokens
+        # sent there) x (its mean gate); 1 when every expert gets as many tokens, up to `experts` when one gets all.
+        shares = torch.bincount(chosen, minlength=len(self.experts)) / len(chosen)
+        self.balance_loss = len(self.experts) * (shares * gates.mean(dim=0)).sum()
+        return self.dropout(out.view_as(x))
+
+
+class Block(nn.Module):
+'''),
+    (LM_GPT_BUILDER, LM_GPT_BUILDER + '''
+
+def mixture(options: TrainOptions, train_set: Dataset) -> nn.Module:
+    """gpt with each block's MLP a mixture of --experts experts."""
+    task, model = options.task, gpt(options, train_set)
+    for block in model.blocks:
+        block.mlp = MixtureOfExperts(task.n_embd, task.experts, task.dropout, task.n_layer)
+    return model
+'''),
+    (LM_COMPUTE_LOSS_END, '''    Step): its number (1 for the first), the options (the task's as step.options.task), the plain model. A mixture
+    of experts adds each block's load-balancing loss, their mean logged as `balance`."""
+    loss = logits_and_loss(model, batch)[1]
+    balance = [block.mlp.balance_loss for block in step.model.blocks if isinstance(block.mlp, MixtureOfExperts)]
+    if not balance:
+        return loss
+    step.log(balance=torch.stack(balance).mean())
+    return loss + step.options.task.balance_weight * torch.stack(balance).mean()
+'''),
+    ('    models={"gpt": gpt},\n', '    models={"gpt": gpt, "moe": mixture},\n'),
+    (LM_SMOKE_ARGS, lm_smoke_args("moe")),
+]}
+
 # Recipes for the language-model bake's task.py (the same names as an image recipe: one example, two diffs).
-LM_RECIPES = {"ema": EMA, "lr-per-group": LR_PER_GROUP}
+LM_RECIPES = {"ema": EMA, "lr-per-group": LR_PER_GROUP, "lora": LM_LORA, "mixture-of-experts": LM_MIXTURE}
 LANGUAGE_MODEL = '{% if cookiecutter.task == "language_model" %}'
 
 

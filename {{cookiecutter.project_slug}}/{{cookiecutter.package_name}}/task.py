@@ -605,13 +605,13 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor, cache: list[dict] | None = None) -> torch.Tensor:
         """Logits (batch, time, vocab). `cache` (sampling, sample.py): a dict per block that keeps its keys and
-        values, so that each new token costs one position."""
+        values, so that each new token costs one position; the logits are then the last position's alone."""
         start = cache[0]["k"].shape[2] if cache and cache[0] else 0
         positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
         x = self.dropout(self.token_embedding(tokens) + self.position_embedding(positions))
         for index, block in enumerate(self.blocks):
             x = block(x, None if cache is None else cache[index])
-        return self.head(self.norm(x))
+        return self.head(self.norm(x if cache is None else x[:, -1:]))
 
 
 def text_codec(options: TrainOptions) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]]:
