@@ -76,7 +76,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from ddp_training import parallel, task
+    from ddp_training import task
+    from ddp_training.engine import parallel
 
     package = SimpleNamespace(task=task, parallel=parallel)
     options = SimpleNamespace(task=SimpleNamespace(block_size=args.block_size, n_layer=args.n_layer,

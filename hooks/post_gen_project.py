@@ -15,7 +15,7 @@ OPTIONAL_FILES = {"slurm/train.sbatch": "use_slurm", "k8s/pytorchjob.yaml": "use
                   "Dockerfile": ("use_docker", "use_kubernetes"), ".dockerignore": ("use_docker", "use_kubernetes"),
                   "docs/containers-and-schedulers.md": ("use_docker", "use_slurm", "use_kubernetes"),
                   "PACKAGE/preflight.py": "use_preflight", "PACKAGE/profiling.py": "use_profiling",
-                  "PACKAGE/export.py": "use_export", "docs/export.md": "use_export", "PACKAGE/trackers.py": "use_trackers",
+                  "PACKAGE/export.py": "use_export", "docs/export.md": "use_export", "PACKAGE/engine/trackers.py": "use_trackers",
                   "PACKAGE/engine/streaming.py": "use_streaming", "docs/streaming.md": "use_streaming",
                   "PACKAGE/replica_groups.py": "fault_tolerance=torchft", "docs/replica-groups.md": "fault_tolerance=torchft",
                   "PACKAGE/sample.py": "task=language_model", "PACKAGE/prepare.py": "task=language_model"}

@@ -39,12 +39,13 @@ DEFAULT_FILES = {
       for file in ("README.md", "change.diff")),
     "tests/harness.py", "tests/test_smoke.py",
     *(f"ddp_training/{name}.py" for name in
-      ("__init__", "data", "evaluation", "metrics", "optim", "options", "parallel", "selection", "spec", "task")),
+      ("__init__", "options", "spec", "step", "task")),
     # The engine: what every run uses, importing nothing around it.
     *(f"ddp_training/engine/{name}.py" for name in
       ("__init__", "checkpoint/__init__", "checkpoint/common", "checkpoint/replicated", "checkpoint/sharded",
-       "checkpoint/folder", "checkpoint/weights", "collectives", "distributed", "errors", "failure", "flags",
-       "optimizers", "processes", "replicas", "reproducibility", "task_state", "watchdog")),
+       "checkpoint/folder", "checkpoint/weights", "cli", "collectives", "data", "distributed", "errors", "evaluation",
+       "failure", "flags", "metrics", "optim", "optimizers", "parallel", "processes", "replicas", "reproducibility",
+       "selection", "task_state", "tasks", "watchdog")),
 }
 
 # Every value class each answer admits; each is baked and checked.
@@ -108,7 +109,8 @@ def test_default_and_full_bakes_are_fully_rendered(default_project, full_project
     assert_fully_rendered(default_project)
     assert_fully_rendered(full_project)  # every optional part with Python of its own
     assert project_files(full_project) - project_files(default_project) == {
-        "docs/export.md", *(f"ddp_training/{name}.py" for name in ("export", "preflight", "profiling", "trackers"))}
+        "docs/export.md",
+        *(f"ddp_training/{name}.py" for name in ("export", "preflight", "profiling", "engine/trackers"))}
 
 
 def test_scripts_are_executable(default_project):

@@ -102,7 +102,7 @@ def test_a_config_files_bad_key_or_value_is_one_line(baked_train, tmp_path, caps
 
 
 def test_activation_checkpointing_recomputes_dropout_exactly(baked_module):
-    parallel = baked_module("parallel")
+    parallel = baked_module("engine.parallel")
 
     class Block(torch.nn.Module):
         def __init__(self):

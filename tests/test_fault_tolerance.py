@@ -181,7 +181,7 @@ def test_a_resized_job_runs_the_uninterrupted_lr_at_every_sample_count(default_p
     # takes 8 a step: at equal samples seen it stands at twice the reference's step, and a schedule over steps
     # would run ahead of it. Every step of either takes the lr of one curve over samples, at its middle; the
     # run's length is --max-steps steps of the world size it started on, and a resize ends it there.
-    optim = baked_module("optim")
+    optim = baked_module("engine.optim")
 
     def on_the_curve(ckpt_dir: Path, step: int, per_step: int, run_samples: int) -> None:
         samples, lr = step_lr(ckpt_dir, step)

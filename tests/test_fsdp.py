@@ -118,7 +118,7 @@ import os
 import time
 from pathlib import Path
 
-from .optim import ExponentialMovingAverage
+from .step import ExponentialMovingAverage
 
 
 @dataclass

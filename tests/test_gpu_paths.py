@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 
 def test_auto_precision_is_bf16_only_where_the_gpu_computes_it_natively(baked_module, monkeypatch):
-    precision = baked_module("optim")
+    precision = baked_module("engine.optim")
     cuda = torch.device("cuda", 0)
     for capability, expected in [((7, 0), "fp32"), ((7, 5), "fp32"), ((8, 0), "bf16"), ((9, 0), "bf16")]:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, found=capability: found)
@@ -25,7 +25,7 @@ def test_auto_precision_is_bf16_only_where_the_gpu_computes_it_natively(baked_mo
 
 
 def test_evaluation_runs_under_the_training_autocast(baked_module):
-    precision, evaluation, task = baked_module("optim"), baked_module("evaluation"), baked_module("task")
+    precision, evaluation, task = baked_module("engine.optim"), baked_module("engine.evaluation"), baked_module("task")
     torch.manual_seed(0)
     model = task.small_cnn(SimpleNamespace(task=SimpleNamespace(num_classes=10)), None)
     conv_output_dtypes = []

@@ -173,7 +173,7 @@ def test_a_resized_stream_keeps_its_length_and_its_lr_curve(stream_project, corp
     assert result.returncode == 0, result.stderr[-4000:]
     assert "it ends once 800 samples are trained, 4 a step now" in result.stderr, result.stderr[-4000:]
     assert not (tmp_path / "ckpt" / "step-155.pt").exists()
-    [optim] = package_modules(stream_project, "optim")
+    [optim] = package_modules(stream_project, "engine.optim")
 
     def curve(samples: float) -> float:  # --lr 1e-2, --warmup-steps 2 of 8 windows, cosine over 800
         return 1e-2 * optim.warmup_then_decay(samples, 16, 800, "cosine")

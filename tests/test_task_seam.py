@@ -94,6 +94,7 @@ def test_a_frozen_module_left_out_of_checkpoints_and_a_task_spec_that_cannot_wor
     from torch import nn
 
     spec, task, errors = baked_module("spec"), baked_module("task"), baked_module("engine.errors")
+    tasks, task_state = baked_module("engine.tasks"), baked_module("engine.task_state")
     with pytest.raises(TypeError, match="compute_loss .* or training_step .*: one of the two"):
         spec.Task(**{**vars(task.TASK), "training_step": lambda step, batches: None})
     with pytest.raises(TypeError, match=r"compute_loss\(model, batch, step\); give two_arguments a third parameter"):
@@ -109,10 +110,10 @@ def test_a_frozen_module_left_out_of_checkpoints_and_a_task_spec_that_cannot_wor
             self.shortcuts = {"head": self.head}  # only a reference to a registered module: fine
     with pytest.raises(errors.UsageError, match=r"a plain list, blocks, which torch does not register.* an "
                                                 r"nn.ModuleList in task.py"):
-        spec.check_every_module_is_registered(Unregistered())
+        tasks.check_every_module_is_registered(Unregistered())
     unregistered = Unregistered()
     unregistered.blocks = nn.ModuleList(unregistered.blocks)
-    spec.check_every_module_is_registered(unregistered)
+    tasks.check_every_module_is_registered(unregistered)
     # State the task keeps beside the model: saveable, named apart from train.py's entries, evaluated with by name.
     with pytest.raises(TypeError, match="evaluate_with='ema'.* Task\\(state=...\\), which is not given"):
         spec.Task(**{**vars(task.TASK), "evaluate_with": "ema"})
@@ -123,7 +124,7 @@ def test_a_frozen_module_left_out_of_checkpoints_and_a_task_spec_that_cannot_wor
         keeping = spec.Task(**{**vars(task.TASK), "state": lambda model, options, state=state: state,
                                "evaluate_with": "ema"})
         with pytest.raises(errors.UsageError, match=message):
-            keeping.build_state(nn.Linear(1, 1), None, taken)
+            tasks.build_state(keeping, nn.Linear(1, 1), None, taken)
     # A name a checkpoint keeps for itself (a DDP file is one flat dict): refused, not overwritten.
     checkpoint, distributed = baked_module("engine.checkpoint"), baked_module("engine.distributed")
     with pytest.raises(errors.UsageError, match="an entry named 'progress', a name checkpoints keep for themselves"):
@@ -134,10 +135,10 @@ def test_a_frozen_module_left_out_of_checkpoints_and_a_task_spec_that_cannot_wor
     def distilled() -> nn.Module:
         torch.manual_seed(0)  # the teacher comes back the same, as from its own weights file
         model = nn.ModuleDict({"student": nn.Linear(4, 2), "teacher": nn.Linear(4, 2).requires_grad_(False)})
-        return spec.leave_out_of_checkpoints(model, "teacher")
+        return task_state.leave_out_of_checkpoints(model, "teacher")
     model = distilled()
     assert list(model.state_dict()) == ["student.weight", "student.bias"]
-    assert spec.describe_parameters(model) == (
+    assert tasks.describe_parameters(model) == (
         "model: 0.00 M parameters, 0.00 M trained; frozen: teacher; not saved (the model builder makes them each "
         "run): teacher")
     restored = distilled()
@@ -148,10 +149,10 @@ def test_a_frozen_module_left_out_of_checkpoints_and_a_task_spec_that_cannot_wor
         restored.load_state_dict({"student.weight": model.student.weight})
     with pytest.raises(errors.UsageError, match="'teachr'\\): the model has no module 'teachr'; its top-level "
                                                 "modules: student, teacher"):
-        spec.leave_out_of_checkpoints(model, "teachr")
+        task_state.leave_out_of_checkpoints(model, "teachr")
     with pytest.raises(errors.UsageError, match=r"'student'\): its parameter 'weight' is trained \(requires_grad\): "
                                                 "resumed, it would start over"):
-        spec.leave_out_of_checkpoints(model, "student")
+        task_state.leave_out_of_checkpoints(model, "student")
 
 
 def test_throughput_says_once_that_it_guessed_how_many_samples_a_dict_batch_holds(baked_module, caplog):
@@ -159,12 +160,12 @@ def test_throughput_says_once_that_it_guessed_how_many_samples_a_dict_batch_hold
 
     import torch
 
-    spec = baked_module("spec")
-    spec.say_samples_are_guessed.cache_clear()
+    tasks = baked_module("engine.tasks")
+    tasks.say_samples_are_guessed.cache_clear()
     with caplog.at_level(logging.WARNING):
-        assert spec.samples_in((torch.zeros(3, 2), torch.zeros(3))) == 3  # (inputs, targets): no guess
+        assert tasks.samples_in((torch.zeros(3, 2), torch.zeros(3))) == 3  # (inputs, targets): no guess
         batch = {"input_ids": torch.zeros(4, 7), "attention_mask": torch.ones(4, 7)}
-        assert spec.samples_in(batch) == spec.samples_in(batch) == 4
+        assert tasks.samples_in(batch) == tasks.samples_in(batch) == 4
     assert [record.getMessage() for record in caplog.records] == [
         "throughput counts 4 samples in a batch (a dict): the length of its first tensor. If that is not how many "
         "samples it holds (a flat tensor of packed tokens, a per-token first entry), give TASK units_in_batch(batch), "
@@ -182,8 +183,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp_training.optim import MixedPrecision, NonFiniteGuard, Step
-from ddp_training.parallel import wrap_networks
+from ddp_training.engine.optim import MixedPrecision, NonFiniteGuard
+from ddp_training.step import Step
+from ddp_training.engine.parallel import wrap_networks
 
 dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:" + os.environ["PORT"])
 cpu = torch.device("cpu")
@@ -240,7 +242,7 @@ def test_fsdp2_shards_the_members_of_top_level_containers_which_have_no_forward(
     model.layers = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
     model.adapters = nn.ModuleDict({"a": nn.Linear(2, 2)})
     model.head, model.activation = nn.Linear(2, 1), nn.ReLU()
-    assert baked_module("parallel").shardable_blocks(model) == [*model.layers, model.adapters["a"], model.head]
+    assert baked_module("engine.parallel").shardable_blocks(model) == [*model.layers, model.adapters["a"], model.head]
 
 
 def test_a_task_step_under_fsdp2_computes_with_the_parameters_it_just_stepped(default_project, tmp_path):
@@ -748,7 +750,7 @@ def test_a_contrastive_loss_logs_its_temperature_keeps_its_clamp_and_says_what_i
 def test_the_work_before_an_evaluation_is_left_out_of_the_throughput_once(baked_module, monkeypatch, caplog):
     import torch
 
-    metrics = baked_module("metrics")
+    metrics = baked_module("engine.metrics")
     now = iter([0.0, 10.0, 30.0, 35.0])  # reset; the work from 10 s to 30 s; the evaluation's end at 35 s
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(now))
     meter = metrics.TrainingMeter(torch.device("cpu"), 10, None, None)
@@ -766,7 +768,7 @@ def test_what_a_coupled_batch_becomes_is_said_and_step_log_takes_one_number_per_
     import torch
     from torch import nn
 
-    optim, errors = baked_module("optim"), baked_module("engine.errors")
+    optim, errors = baked_module("engine.optim"), baked_module("engine.errors")
     options = SimpleNamespace(batch_size=16, grad_accum=4)
     with caplog.at_level("INFO"):  # BatchNorm is found: each micro-batch is normalised alone
         optim.check_coupled_batch(None, False, nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)), options, 2, None)
@@ -780,11 +782,12 @@ def test_what_a_coupled_batch_becomes_is_said_and_step_log_takes_one_number_per_
         optim.check_coupled_batch("global_batch", True, nn.Linear(1, 1), options, 4, (2, {"batch_size": 16}))
 
     with pytest.raises(errors.UsageError, match=r"find_unused_parameters=True\) is DDP's: under FSDP2"):
-        baked_module("parallel").wrap_model(nn.Linear(2, 1), torch.device("cpu"), "fsdp2", find_unused_parameters=True)
+        baked_module("engine.parallel").wrap_model(nn.Linear(2, 1), torch.device("cpu"), "fsdp2",
+                                                   find_unused_parameters=True)
 
     model = nn.Linear(2, 1)
-    step = optim.Step(SimpleNamespace(model=model), model, torch.optim.SGD(model.parameters()), None, options, None,
-                      None)
+    step = baked_module("step").Step(SimpleNamespace(model=model), model, torch.optim.SGD(model.parameters()), None,
+                                     options, None, None)
     step.log(temperature=torch.tensor([0.5]), aux=1.0)
     step.log(temperature=0.25, aux=torch.tensor(3.0))  # a second micro-batch: each name's mean
     assert {name: value.item() for name, value in step.logged_means().items()} == {"temperature": 0.375, "aux": 2.0}
@@ -818,7 +821,7 @@ def test_a_mixture_of_experts_trains_with_unused_experts_counts_their_shares_and
 def test_a_tasks_batches_go_to_the_ranks_in_turn_and_resume_at_a_whole_batch(baked_module, monkeypatch):
     import torch
 
-    data, errors = baked_module("data"), baked_module("engine.errors")
+    data, errors = baked_module("engine.data"), baked_module("engine.errors")
     made = [[0, 1, 2], [3], [4, 5], [6, 7, 8, 9], [10], [11, 12], [13, 14, 15], [16]]  # 17 samples, 8 batches
     task_options = SimpleNamespace(max_length=64)
 
@@ -876,7 +879,7 @@ def test_what_an_evaluation_draws_leaves_the_training_runs_generators_as_they_we
     import torch
     from torch.utils.data import DataLoader
 
-    evaluation, optim, task = baked_module("evaluation"), baked_module("optim"), baked_module("task")
+    evaluation, optim, task = baked_module("engine.evaluation"), baked_module("engine.optim"), baked_module("task")
     drawn = []
 
     def noisy_sums(model, batch):
@@ -901,7 +904,7 @@ def test_a_count_the_evaluation_reads_missing_from_the_tasks_dicts_is_one_line_n
     import torch
     from torch.utils.data import DataLoader
 
-    evaluation, optim, task = baked_module("evaluation"), baked_module("optim"), baked_module("task")
+    evaluation, optim, task = baked_module("engine.evaluation"), baked_module("engine.optim"), baked_module("task")
     usage_error = baked_module("engine.errors").UsageError
 
     def sums_without_count(model, batch):
@@ -937,7 +940,7 @@ def test_epochs_of_different_sizes_are_planned_each_by_its_own_batches(baked_mod
     # fills no step, and that is said when the epoch starts.
     import torch
 
-    data = baked_module("data")
+    data = baked_module("engine.data")
     sizes = [16, 25, 34]
     task_options = SimpleNamespace(max_length=64)
 
@@ -970,7 +973,7 @@ def test_a_dataset_with_set_epoch_is_told_each_samples_epoch_in_the_workers_that
     # loads the sample, persistent or not, with no module global and nothing stale.
     from torch.utils.data import DataLoader, Dataset
 
-    data = baked_module("data")
+    data = baked_module("engine.data")
 
     class EpochAware(Dataset):
         epoch = -1
@@ -997,6 +1000,7 @@ def test_rank_0_work_every_names_a_number_or_an_int_task_option(baked_module):
     import dataclasses
 
     task, usage_error = baked_module("task").TASK, baked_module("engine.errors").UsageError
+    tasks = baked_module("engine.tasks")
 
     def spec(work):  # the task's own checks of its options left out: these options hold only what is named here
         return dataclasses.replace(task, rank_0_work=None if work is None else (work, print),
@@ -1006,22 +1010,22 @@ def test_rank_0_work_every_names_a_number_or_an_int_task_option(baked_module):
         return SimpleNamespace(task=SimpleNamespace(data="fake", model="small_cnn", **fields))
     for work, fields, every in [(None, {}, 0), (4, {}, 4), ("sample_every", {"sample_every": 3}, 3),
                                 ("sample_every", {"sample_every": 0}, 0)]:
-        spec(work).check(options(**fields))
-        assert spec(work).work_every(options(**fields)) == every
+        tasks.check_task_options(spec(work), options(**fields))
+        assert tasks.work_every(spec(work), options(**fields)) == every
     for fields, held in [({}, "None"), ({"sample_every": "x"}, "'x'")]:  # the task's code
         with pytest.raises(usage_error) as refused:
-            spec("sample_every").check(options(**fields))
+            tasks.check_task_options(spec("sample_every"), options(**fields))
         assert str(refused.value) == (f"Task(rank_0_work=('sample_every', ...)) names a TaskOptions field for its "
                                       f"steps; it holds {held}: give it an int option, >= 1 (0: never)")
     with pytest.raises(usage_error) as refused:  # the user's flag
-        spec("sample_every").check(options(sample_every=-1))
+        tasks.check_task_options(spec("sample_every"), options(sample_every=-1))
     assert str(refused.value) == "--sample-every must be >= 0 (0: never), got -1"
 
 
 def test_each_lr_schedule_follows_its_flags_and_an_lr_set_elsewhere_is_said(baked_module, caplog):
     import torch
 
-    optim = baked_module("optim")
+    optim = baked_module("engine.optim")
     curve = optim.warmup_then_decay
     # 1,000 samples, 100 of warmup: wsd holds 1 until the last --decay-fraction 0.2 (sample 800), then a line to 0.
     assert [curve(s, 100, 1000, "wsd", 0.2) for s in (50, 100, 799, 800, 900, 1000)] == [0.5, 1, 1, 1, 0.5, 0]
@@ -1049,7 +1053,7 @@ def test_batches_in_order_are_told_the_world_size_and_each_rank_reads_its_own_pa
     # carried across steps, BPTT's way); global batch j goes to rank j % world_size.
     import torch
 
-    data = baked_module("data")
+    data = baked_module("engine.data")
 
     def in_order(dataset, options, epoch, world_size):
         part = len(dataset) // world_size
@@ -1067,7 +1071,7 @@ def test_batches_in_order_are_told_the_world_size_and_each_rank_reads_its_own_pa
 
 def test_a_finished_run_resized_past_its_end_by_less_than_a_step_is_finished_not_refused(baked_module):
     # 1 rank of 8 a step, then 2 ranks of 16 (24 samples a step on 3): a run of 100 samples ends at 112 there.
-    optim = baked_module("optim")
+    optim = baked_module("engine.optim")
     loader = SimpleNamespace(samples_per_step=16, steps_to=lambda samples, progress: 0, steps_in_epochs=None)
     options = SimpleNamespace(max_steps=12, stop_at_step=None, epochs=1)
     schedule = SimpleNamespace(run_samples=100, replanned="")

@@ -152,7 +152,7 @@ def test_a_partial_store_left_under_this_process_id_is_made_anew(baked_module, t
     left = tmp_path / f".mlflow.db.partial-{socket.gethostname()}-{os.getpid()}"
     left.write_bytes(b"half a database")
     monkeypatch.setattr(mlflow, "get_tracking_uri", lambda: f"sqlite:///{tmp_path / 'mlflow.db'}")
-    baked_module("trackers").make_a_new_sqlite_store_whole(mlflow)
+    baked_module("engine.trackers").make_a_new_sqlite_store_whole(mlflow)
     assert [path.name for path in tmp_path.iterdir()] == ["mlflow.db"]
     assert mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").search_experiments()[0].name == "Default"
 

@@ -188,12 +188,14 @@ TASK = _dataclasses.replace(TASK, compute_loss=_recording_loss)
 PLAIN_SCRIPT = '''
 import sys
 import torch
-from ddp_training.options import parse_options
+from ddp_training.engine.cli import parse_options
+from ddp_training.engine.tasks import build_model
+from ddp_training.options import TrainOptions
 from ddp_training.task import TASK
-options = parse_options(sys.argv[1:], TASK.options, TASK.training_defaults)
+options = parse_options(sys.argv[1:], TrainOptions, TASK.options, TASK.training_defaults)
 torch.manual_seed(options.seed)
 train_set, _ = TASK.datasets[options.task.data](options)
-TASK.build_model(options, train_set)
+build_model(TASK, options, train_set)
 torch.save(torch.get_rng_state(), "plain.pt")
 '''
 

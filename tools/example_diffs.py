@@ -1,7 +1,7 @@
 """Regenerate the generated project's examples/<name>/change.diff from the template's own sources.
 
 Each example is a diff that users apply with `patch -p1`, and tests apply them to a freshly baked project: a diff
-whose context no longer matches the code fails there. When task.py, train.py or optim.py change, run
+whose context no longer matches the code fails there. When task.py, train.py or step.py change, run
 
     .venv/bin/python tools/example_diffs.py           # --check: only say whether they are current (a test does)
 
@@ -179,11 +179,11 @@ def tagger(options: TrainOptions, train_set: Dataset) -> nn.Module:
 
 ''' + BEFORE_SMALL_CNN),
     ('''def compute_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], step: Step) -> torch.Tensor:
-    """The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one. `step` (optim.py's
+    """The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one. `step` (step.py's
     Step): its number (1 for the first), the options (the task's as step.options.task), the plain model."""
     return outputs_and_loss(model, batch)[1]
 ''', '''def compute_loss(model: nn.Module, batch: dict[str, torch.Tensor], step: Step) -> torch.Tensor:
-    """The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one. `step` (optim.py's
+    """The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one. `step` (step.py's
     Step): its number (1 for the first), the options (the task's as step.options.task), the plain model."""
     return model(**batch).loss
 '''),
@@ -255,7 +255,7 @@ IMAGE_LOSS = '''def outputs_and_loss(model: nn.Module, batch: tuple[torch.Tensor
 
 
 def compute_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], step: Step) -> torch.Tensor:
-    \"\"\"The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one. `step` (optim.py's
+    \"\"\"The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one. `step` (step.py's
     Step): its number (1 for the first), the options (the task's as step.options.task), the plain model.\"\"\"
     return outputs_and_loss(model, batch)[1]
 '''
@@ -347,7 +347,7 @@ def write_samples(step: Step, generator: torch.Generator) -> None:
 
 TEACHER = {"PACKAGE/task.py": [
     ("from pathlib import Path\n", "from pathlib import Path\nfrom types import SimpleNamespace\n"),
-    ("from .spec import Task\n", "from .spec import Task, leave_out_of_checkpoints\n"),
+    ("from .spec import Task\n", "from .engine.task_state import leave_out_of_checkpoints\nfrom .spec import Task\n"),
     ('''    num_classes: int = option(10, "outputs of the model's head (cifar10 has 10 classes)", fixed=True)
 ''', '''    num_classes: int = option(10, "outputs of the model's head (cifar10 has 10 classes)", fixed=True)
     teacher: str = option("", "for --model distilled: the teacher's weights, a small_cnn's state dict (none: a "
@@ -409,7 +409,7 @@ def teacher_file(folder: Path) -> list[str]:
 ]}
 
 EMA = {"PACKAGE/task.py": [
-    ("from .optim import Step\n", "from .optim import ExponentialMovingAverage, Step\n"),
+    ("from .step import Step\n", "from .step import ExponentialMovingAverage, Step\n"),
     ("# ---- what the package calls ", '''def after_step(step: Step) -> None:
     """After each optimizer step, on every rank: the averages follow the weights just stepped."""
     step.state["ema"].update(step.model)
@@ -571,7 +571,7 @@ def mixture(options: TrainOptions, train_set: Dataset) -> nn.Module:
 LORA = {"PACKAGE/task.py": [
     (FUTURE, FUTURE + "import functools\n"),
     ("from pathlib import Path\n", "from pathlib import Path\nfrom types import SimpleNamespace\n"),
-    ("from .spec import Task\n", "from .spec import Task, leave_out_of_checkpoints\n"),
+    ("from .spec import Task\n", "from .engine.task_state import leave_out_of_checkpoints\nfrom .spec import Task\n"),
     ('''    num_classes: int = option(10, "outputs of the model's head (cifar10 has 10 classes)", fixed=True)
 ''', '''    num_classes: int = option(10, "outputs of the model's head (cifar10 has 10 classes)", fixed=True)
     base: str = option("", "for --model lora: the frozen base's weights, a small_cnn's state dict (none: a random "
@@ -835,11 +835,11 @@ def words_in_batch(batch: dict[str, torch.Tensor]) -> int:
 
 ''' + BEFORE_SMALL_CNN),
     ('''def compute_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], step: Step) -> torch.Tensor:
-    """The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one. `step` (optim.py's
+    """The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one. `step` (step.py's
     Step): its number (1 for the first), the options (the task's as step.options.task), the plain model."""
     return outputs_and_loss(model, batch)[1]
 ''', '''def compute_loss(model: nn.Module, batch: dict[str, torch.Tensor], step: Step) -> torch.Tensor:
-    """The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one. `step` (optim.py's
+    """The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one. `step` (step.py's
     Step): its number (1 for the first), the options (the task's as step.options.task), the plain model."""
     carried = step.state["hidden"].value
     logits, hidden = model(batch["input_ids"], carried.before(batch["offset"]))
@@ -942,7 +942,7 @@ def lm_smoke_args(model: str) -> str:
 LM_LORA = {"PACKAGE/task.py": [
     ("from pathlib import Path\n", "from pathlib import Path\nfrom types import SimpleNamespace\n"),
     ("from .spec import Task\n", "from .engine.checkpoint.weights import load_checkpoint\n"
-     "from .spec import Task, leave_out_of_checkpoints\n"),
+     "from .engine.task_state import leave_out_of_checkpoints\nfrom .spec import Task\n"),
     (LM_MODEL_OPTION, '''    model: str = option("gpt", "a model in task.py's TASK: gpt (a decoder-only transformer), lora (low-rank "
                         "adapters on the frozen gpt of --base)", fixed=True)
 '''),

@@ -28,8 +28,9 @@ from types import SimpleNamespace
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from {{ cookiecutter.package_name }}.data import OnDevice, build_loaders, training_steps
 from {{ cookiecutter.package_name }}.engine.checkpoint import build_checkpointer, check_checkpoint_dir
+from {{ cookiecutter.package_name }}.engine.cli import parse_options, recorded
+from {{ cookiecutter.package_name }}.engine.data import OnDevice, build_loaders, training_steps
 from {{ cookiecutter.package_name }}.engine.distributed import (
     DistEnv,
     StoreAddress,
@@ -40,37 +41,47 @@ from {{ cookiecutter.package_name }}.engine.distributed import (
     side_group,
 )
 from {{ cookiecutter.package_name }}.engine.errors import UsageError
+from {{ cookiecutter.package_name }}.engine.evaluation import Learned, evaluate, evaluation_due
 from {{ cookiecutter.package_name }}.engine.failure import (
     CrashRecord,
     end_attempt_after,
     end_job_for_usage_error,
     usage_error_reported_under_this_torchrun,
 )
-from {{ cookiecutter.package_name }}.engine.replicas import check_replicas_match
-from {{ cookiecutter.package_name }}.engine.reproducibility import seed_and_choose_kernels, seed_per_rank
-from {{ cookiecutter.package_name }}.engine.task_state import saved_entries
-from {{ cookiecutter.package_name }}.engine.watchdog import EXIT_CODE_AFTER_SIGTERM, StopAgreement, Watchdog
-from {{ cookiecutter.package_name }}.evaluation import Learned, evaluate, evaluation_due
-from {{ cookiecutter.package_name }}.metrics import build_meter
-from {{ cookiecutter.package_name }}.optim import (
+from {{ cookiecutter.package_name }}.engine.metrics import build_meter
+from {{ cookiecutter.package_name }}.engine.optim import (
     LearningRateSchedule,
     MixedPrecision,
     NonFiniteGuard,
-    Step,
     check_coupled_batch,
     planned_steps,
     resolve_precision,
 )
-from {{ cookiecutter.package_name }}.options import TrainOptions, parse_options, recorded
-from {{ cookiecutter.package_name }}.parallel import uses_channels_last, wrap_networks
+from {{ cookiecutter.package_name }}.engine.parallel import uses_channels_last, wrap_networks
+from {{ cookiecutter.package_name }}.engine.replicas import check_replicas_match
+from {{ cookiecutter.package_name }}.engine.reproducibility import seed_and_choose_kernels, seed_per_rank
+from {{ cookiecutter.package_name }}.engine.selection import ModelSelection
+from {{ cookiecutter.package_name }}.engine.task_state import saved_entries
+from {{ cookiecutter.package_name }}.engine.tasks import (
+    build_datasets,
+    build_model,
+    build_state,
+    check_task_options,
+    evaluation_weights,
+    units_in,
+    work_alone,
+    work_every,
+)
+from {{ cookiecutter.package_name }}.engine.watchdog import EXIT_CODE_AFTER_SIGTERM, StopAgreement, Watchdog
+from {{ cookiecutter.package_name }}.options import TrainOptions
 {% if cookiecutter.use_profiling == "yes" -%}
 from {{ cookiecutter.package_name }}.profiling import StepProfiler, record_memory_history
 {% endif -%}
 {% if cookiecutter.fault_tolerance == "torchft" -%}
 from {{ cookiecutter.package_name }}.replica_groups import ReplicaGroups
 {% endif -%}
-from {{ cookiecutter.package_name }}.selection import ModelSelection
 from {{ cookiecutter.package_name }}.spec import Task
+from {{ cookiecutter.package_name }}.step import Step
 from {{ cookiecutter.package_name }}.task import TASK
 
 log = logging.getLogger(__name__)
@@ -122,10 +133,10 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     watchdog = Watchdog(env, store, options.watchdog.step_timeout, options.watchdog.io_timeout)
     stop = StopAgreement(side_group())
     seed_and_choose_kernels(options.seed, options.deterministic, env, device)  # cuDNN autotuning, or not
-    train_set, eval_set = task.build_datasets(options, env, device)
+    train_set, eval_set = build_datasets(task, options, env, device)
     train_loader, eval_loader = build_loaders(train_set, eval_set, options, env, device, task.collate, task.batches{% if cookiecutter.fault_tolerance == "torchft" %},
                                               train_env=data_env{% endif %})
-    model = task.build_model(options, train_set).to(device)
+    model = build_model(task, options, train_set).to(device)
     # The model is the same everywhere; now each rank draws its own numbers.
     seed_per_rank(options.seed, {% if cookiecutter.fault_tolerance == "torchft" %}data_env{% else %}env{% endif %}, device)
     channels_last = uses_channels_last(model, device, options.channels_last)
@@ -171,7 +182,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
 
     training_step = task.training_step or loss_step
     # The task's own state beside the model (an EMA, say): updated by task.after_step, saved with the rest.
-    task_state = task.build_state(model, options, taken={"model", "optimizer", "lr_schedule", "grad_scaler",
+    task_state = build_state(task, model, options, taken={"model", "optimizer", "lr_schedule", "grad_scaler",
                                                          "selection", {% if cookiecutter.use_streaming == "yes" %}"stream_position", {% endif %}"batches_position", "learned"{% if cookiecutter.fault_tolerance == "torchft" %},
                                                          "replica_groups"{% endif %}})
     step = Step(networks, model, optimizers, amp, options, nonfinite, update, task_state)  # training_step's
@@ -217,7 +228,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     meter = build_meter(options, env, device, planned, done_steps=progress.step, unit=task.throughput_unit,
                         flops_per_unit=task.model_flops_per_unit(model, options),
                         changed_options=checkpointer.changed_options)
-    work_every = task.work_every(options)  # 0: the task has no work for rank 0 alone
+    rank_0_every = work_every(task, options)  # 0: the task has no work for rank 0 alone
     stop_requested = False
 
     # Each step's micro-batches, epoch after epoch from where progress stands; None where an epoch has ended.
@@ -225,7 +236,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     while True:
         # Before the next step: the evaluation due (of an interval, an epoch, the run, or one a SIGTERM cut short).
         if progress.evaluation_due and not stop_requested:
-            with watchdog.slow_phase("evaluating"), task.evaluation_weights(model, task_state):
+            with watchdog.slow_phase("evaluating"), evaluation_weights(task, model, task_state):
                 results = evaluate(model, eval_loader, device, amp, task,
                                    stop=lambda: stop.agreed_now(watchdog.sigterm_received))
             if results is None:  # SIGTERM reached some rank: saved as still due, evaluated on resume
@@ -259,7 +270,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
                                        number=progress.step + 1)
             amp.scaler.update()  # once a step, after every optimizer stepped: the fp16 scale for the next
             task.after_step(step)  # the task's state after the update: an EMA, a momentum encoder
-            meter.update(loss, sum(task.units_in_batch(micro_batch) for micro_batch in batches),
+            meter.update(loss, sum(units_in(task, micro_batch) for micro_batch in batches),
                          step.logged_means())  # with what the task gave step.log(...), after_step's included
             progress.advance(samples)
             meter.end_step(progress, lr, grad_norm)
@@ -267,9 +278,9 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
             profiler.before_step(progress.step + 1)  # before the beat: a profiled step is a slow one
 {%- endif %}
             watchdog.beat(progress.step)
-            if work_every and progress.step % work_every == 0:  # samples, a figure: Task.rank_0_work's
+            if rank_0_every and progress.step % rank_0_every == 0:  # samples, a figure: Task.rank_0_work's
                 with watchdog.slow_phase("the task's work on rank 0"), meter.excluded():
-                    task.work_alone(step, env, device)
+                    work_alone(task, step, env, device)
             if progress.step == first_step and check_replicas_match(model, progress.step, step.without_gradient):
                 log.info("step %d: every rank holds the same parameters", progress.step)  # again at each save
             stop_requested = stop.agreed(watchdog.sigterm_received)  # SIGTERM reached some rank: same step on all
@@ -311,13 +322,13 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(1)
         setup_logging(env)
         task = TASK  # everything task.py gives the package: its datasets, models, loss, evaluation
-        options = parse_options(argv, task.options, task.training_defaults)
+        options = parse_options(argv, TrainOptions, task.options, task.training_defaults)
         device = select_device(options.device, env)  # cuda:LOCAL_RANK (never the global rank), or the CPU
 {%- if cookiecutter.use_profiling == "yes" %}
         record_memory_history(options.profiling, options.logging.log_dir, device, env)  # from before the model is built
 {%- endif %}
         # Bad input fails here, on every rank, before any process group or download starts.
-        task.check(options)
+        check_task_options(task, options)
 {%- if cookiecutter.fault_tolerance == "torchft" %}
         groups = ReplicaGroups(options.replica_groups, env) if options.replica_groups else None
         if groups is not None:

@@ -22,7 +22,7 @@ import torch
 from .engine.collectives import all_gather_objects, all_reduce
 from .engine.distributed import DistEnv, distributed_session, select_device
 from .engine.errors import UsageError
-from .parallel import wrap_model
+from .engine.parallel import wrap_model
 
 SLOW_RANK_FACTOR = 2.0  # a rank whose all-reduce takes this many times the median is flagged
 

@@ -51,6 +51,7 @@ def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, temperatu
 
 def main(argv: list[str] | None = None) -> None:
     from .engine.checkpoint.weights import load_checkpoint, newest_checkpoint
+    from .engine.tasks import build_model
     from .task import TASK, TaskOptions, text_codec
 
     parser = argparse.ArgumentParser(description="Text from a checkpoint's model: the prompt, then tokens drawn "
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     weights, saved, step = load_checkpoint(checkpoint, None if args.trained else TASK.evaluate_with)
     fields = [spec.name for spec in dataclasses.fields(TaskOptions)]
     options = SimpleNamespace(task=TaskOptions(**{name: saved[name] for name in fields if name in saved}))
-    model = TASK.build_model(options, None)
+    model = build_model(TASK, options, None)
     model.load_state_dict(weights)
     encode, decode = text_codec(options)
     prompt = encode(args.prompt)

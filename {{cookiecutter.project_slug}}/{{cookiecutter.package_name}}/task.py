@@ -10,7 +10,7 @@ default_collate: here a tuple {% if cookiecutter.task == "image_classification" 
 
 and evaluation adds up evaluation_sums(model, batch) over the held-out split, then calls summarize. (A task
 that steps its optimizers itself, two networks trained in turn, gives TASK a training_step instead of
-compute_loss: see optim.py's Step.)
+compute_loss: see step.py's Step.)
 
 Random numbers: torch's generators start from --seed, the same on every rank while the model is built (every
 replica starts equal); then each rank's CPU and CUDA generators get a seed of their own, so torch.randn in a
@@ -56,9 +56,9 @@ from .engine.streaming import (
     tar_samples,
 )
 {%- endif %}
-from .optim import Step
 from .options import TrainOptions, option
 from .spec import Task
+from .step import Step
 
 
 @dataclass
@@ -118,9 +118,9 @@ from .engine.streaming import (
     require_max_steps,
 )
 {%- endif %}
-from .optim import Step
 from .options import TrainOptions, option
 from .spec import Task
+from .step import Step
 
 
 @dataclass
@@ -305,7 +305,7 @@ def outputs_and_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor])
 
 
 def compute_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], step: Step) -> torch.Tensor:
-    """The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one. `step` (optim.py's
+    """The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one. `step` (step.py's
     Step): its number (1 for the first), the options (the task's as step.options.task), the plain model."""
     return outputs_and_loss(model, batch)[1]
 
@@ -657,7 +657,7 @@ def logits_and_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) 
 
 
 def compute_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], step: Step) -> torch.Tensor:
-    """The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one. `step` (optim.py's
+    """The mean loss of a batch, what training minimises; `model` is the DDP- or FSDP2-wrapped one. `step` (step.py's
     Step): its number (1 for the first), the options (the task's as step.options.task), the plain model."""
     return logits_and_loss(model, batch)[1]
 

@@ -1,5 +1,5 @@
-"""A flag as a dataclass field: its help text and whether a checkpoint pins it. options.py builds the command
-line from such fields, whichever module's dataclass holds them."""
+"""A flag as a dataclass field: its help text and whether a checkpoint pins it. cli.py builds the command line
+from such fields, whichever module's dataclass holds them."""
 
 from __future__ import annotations
 
@@ -14,3 +14,9 @@ def option(default, help: str, fixed: bool = False):  # noqa: A002 - mirrors arg
 
 def flag(name: str) -> str:
     return name.replace("_", "-")
+
+
+def group(kind: type, title: str):
+    """A TrainOptions field holding one concern's options (a dataclass of option() fields); their flags are
+    top-level (--ckpt-dir, not --checkpoint.ckpt-dir), under `title` in --help."""
+    return field(default_factory=kind, metadata={"help": None, "group": title})

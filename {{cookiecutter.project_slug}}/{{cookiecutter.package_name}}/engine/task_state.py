@@ -3,17 +3,23 @@ once, which is checked at every save, or a PerRank one, each rank's own saved an
 
 from __future__ import annotations
 
+import hashlib
 import io
+import logging
 import pickle
+import re
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from .collectives import all_gather_objects, same_on_every_rank
+from .collectives import all_gather_objects, all_reduce, same_on_every_rank
 from .errors import UsageError
 from .replicas import bit_sum
+
+log = logging.getLogger(__name__)
 
 
 class PerRank:
@@ -113,3 +119,83 @@ def fingerprint(state: Any) -> str:
     if isinstance(state, (list, tuple)):
         return "[" + ",".join(map(fingerprint, state)) + "]"
     return repr(state)
+
+
+def leave_out_of_checkpoints(model: nn.Module, *names: str) -> nn.Module:
+    """For a model builder: the named modules' parameters and buffers are left out of the model's state_dict
+    (checkpoints, exports) and not expected by its load_state_dict; returns the model. Only frozen modules, which
+    the builder makes again each run (a teacher from its weights file): a trained one would be rebuilt untrained
+    on every resume.
+
+        return leave_out_of_checkpoints(Distilled(student, teacher), "teacher")
+    """
+    modules = dict(model.named_modules())
+    for name in names:
+        if name not in modules or not name:
+            top = ", ".join(child for child, _ in model.named_children())
+            raise UsageError(f"leave_out_of_checkpoints(model, {name!r}): the model has no module {name!r}; its "
+                             f"top-level modules: {top}")
+        trained = [parameter for parameter, value in modules[name].named_parameters() if value.requires_grad]
+        if trained:
+            raise UsageError(f"leave_out_of_checkpoints(model, {name!r}): its parameter {trained[0]!r} is trained "
+                             f"(requires_grad): resumed, it would start over; freeze it ({name}.requires_grad_(False) "
+                             "in the model builder) or save it")
+    if not names:
+        return model
+    model.left_out_of_checkpoints = (*getattr(model, "left_out_of_checkpoints", ()), *names)  # for the start-up line
+    prefixes = tuple(f"{name}." for name in names)
+
+    def drop(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
+        for key in [key for key in state if key.removeprefix(prefix).startswith(prefixes)]:
+            del state[key]
+
+    left_out = re.compile(rf"(^|\.)({'|'.join(map(re.escape, names))})\.")  # also under a parent's prefix
+
+    def forgive(module: nn.Module, incompatible: Any) -> None:
+        incompatible.missing_keys[:] = [key for key in incompatible.missing_keys if not left_out.search(key)]
+
+    # (register_state_dict_post_hook is the public name of the first since torch 2.5.)
+    getattr(model, "register_state_dict_post_hook", model._register_state_dict_hook)(drop)
+    model.register_load_state_dict_post_hook(forgive)
+    return model
+
+
+class LeftOutWeights:
+    """What checkpoints hold in place of the modules leave_out_of_checkpoints keeps out of them: a fingerprint of
+    their weights. A resume whose model builder made them from other contents (a teacher's weights file replaced
+    under the same path) stops with one line, or goes on with --resume-changed-state; it would otherwise train on
+    silently against other weights."""
+
+    NAME = "left_out_weights"  # its checkpoint entry
+
+    def __init__(self, model: nn.Module, go_on: bool):
+        self.names, self.go_on = model.left_out_of_checkpoints, go_on
+        tensors = [(f"{name}.{key}", tensor) for name in self.names
+                   for key, tensor in model.get_submodule(name).state_dict().items()]
+        device = tensors[0][1].device if tensors else torch.device("cpu")
+        sums = torch.stack([bit_sum(tensor.to_local() if hasattr(tensor, "to_local") else tensor)
+                            for _, tensor in tensors]) if tensors else torch.zeros(0, dtype=torch.int64)
+        sharded = torch.tensor([hasattr(tensor, "to_local") for _, tensor in tensors], dtype=torch.bool,
+                               device=sums.device)
+        if bool(sharded.any()):  # FSDP2's shards: their sums over ranks are the whole tensors', at any world size
+            sums = torch.where(sharded, all_reduce(torch.where(sharded, sums, 0), "sum"), sums)
+        described = [(key, list(tensor.shape), str(tensor.dtype), total)
+                     for (key, tensor), total in zip(tensors, sums.tolist(), strict=True)]
+        self.fingerprint = hashlib.sha256(repr(described).encode()).hexdigest()[:16]
+        if not same_on_every_rank(self.fingerprint, device):  # a collective, on every rank in build_state
+            raise UsageError(f"the modules checkpoints leave out ({', '.join(self.names)}) hold other weights on "
+                             "some ranks than on others: the model builder read other contents (a weights file "
+                             "that differs between machines?); give every rank the same")
+
+    def state_dict(self) -> dict[str, str]:
+        return {"fingerprint": self.fingerprint}
+
+    def load_state_dict(self, state: dict[str, str]) -> None:
+        if state["fingerprint"] == self.fingerprint:
+            return
+        line = (f"the modules checkpoints leave out ({', '.join(self.names)}) hold other weights than the run that "
+                "wrote this checkpoint had: the model builder made them from other contents (a weights file changed "
+                "under the same path?)")
+        if not self.go_on:
+            raise UsageError(f"{line}; resume with the same files, or pass --resume-changed-state to go on with these")
+        log.warning("--resume-changed-state: %s; going on with them", line)

@@ -15,19 +15,21 @@ import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
-from .engine.collectives import same_on_every_rank
-from .engine.distributed import DistEnv
-from .engine.errors import UsageError
-from .engine.processes import detach_from_job_signals, start_forkserver_deaf_to_sigterm
+from .collectives import same_on_every_rank
+from .distributed import DistEnv
+from .errors import UsageError
+from .processes import detach_from_job_signals, start_forkserver_deaf_to_sigterm
 {%- if cookiecutter.use_streaming == "yes" %}
-from .engine.streaming import StreamedDataset, StreamLoader, require_max_steps
+from .streaming import StreamedDataset, StreamLoader, require_max_steps
 {%- endif %}
-from .options import TrainOptions
+
+if TYPE_CHECKING:  # for annotations only: the engine imports nothing around it
+    from ..options import TrainOptions
 
 log = logging.getLogger(__name__)
 

@@ -6,14 +6,32 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from .engine.checkpoint.folder import BEST_RECORD, every_checkpoint, write_json
-from .engine.distributed import DistEnv
-from .engine.errors import UsageError
-from .options import SelectionOptions
+from .checkpoint.folder import BEST_RECORD, every_checkpoint, write_json
+from .distributed import DistEnv
+from .errors import UsageError
+from .flags import option
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class SelectionOptions:
+    """The best checkpoint by an evaluation metric, and early stopping."""
+
+    keep_best: str | None = option(
+        None, "METRIC:min or METRIC:max (loss:min, accuracy:max: a metric the evaluation reports): after each "
+        "evaluation that closes an epoch (--eval-every) or an interval (--eval-every-steps) and beats every one "
+        "before, save a checkpoint, which retention never deletes; CKPT_DIR/best.json names it (one at the run's end "
+        "or at --stop-at-step in mid-interval is logged, not judged)"
+{%- if cookiecutter.use_export == "yes" %}
+        " and `export --best CKPT_DIR` writes it"
+{%- endif %})
+    early_stop_patience: int | None = option(
+        None, "with --keep-best: end training after this many evaluations in a row without a better metric "
+        "(decided by rank 0 for every rank; a resumed job goes on counting)")
 
 
 class ModelSelection:

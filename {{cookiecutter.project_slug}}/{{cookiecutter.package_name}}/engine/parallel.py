@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .engine.errors import UsageError
-from .engine.replicas import is_sharded
+from .errors import UsageError
+from .replicas import is_sharded
 
 log = logging.getLogger(__name__)
 

@@ -7,15 +7,18 @@ import json
 import logging
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
+from .collectives import all_gather_objects, all_reduce, all_reduce_int, from_first_rank_with
 from .data import to_device
-from .engine.collectives import all_gather_objects, all_reduce, all_reduce_int, from_first_rank_with
-from .engine.errors import UsageError
-from .engine.replicas import sync_buffers_from_main
+from .errors import UsageError
 from .optim import MixedPrecision
-from .spec import Task
+from .replicas import sync_buffers_from_main
+
+if TYPE_CHECKING:  # for annotations only: the engine imports nothing around it
+    from ..spec import Task
 
 log = logging.getLogger(__name__)
 

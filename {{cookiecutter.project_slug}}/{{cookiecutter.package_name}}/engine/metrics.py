@@ -11,21 +11,45 @@ import shutil
 import sys
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from .engine.collectives import all_gather_objects, all_reduce, same_on_every_rank, world_size
-from .engine.distributed import DistEnv
-from .engine.errors import UsageError
-from .options import LoggingOptions, TrainOptions
+from .collectives import all_gather_objects, all_reduce, same_on_every_rank, world_size
+from .distributed import DistEnv
+from .errors import UsageError
+from .flags import option
 from .parallel import whole
 {%- if cookiecutter.use_trackers == "yes" %}
 from .trackers import TRACKERS, Tracker
 {%- endif %}
 
+if TYPE_CHECKING:  # for annotations only: the engine imports nothing around it
+    from ..options import TrainOptions
+
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoggingOptions:
+    """metrics.py{% if cookiecutter.use_trackers == "yes" %} and trackers.py{% endif %}: what rank 0 logs, how often, and where it sends it."""
+
+    log_every: int = option(10, "log loss and throughput every this many steps (rank 0)")
+    log_dir: str | None = option(
+        None, "rank 0 writes LOG_DIR/metrics.jsonl (one JSON object per logged step and per evaluation), "
+        "and with --tracker tensorboard its event files there")
+{%- if cookiecutter.use_trackers == "yes" %}
+    tracker: Literal["tensorboard", "wandb", "mlflow", "none"] = option(
+        "tensorboard", "where rank 0 also sends each row: TensorBoard event files in --log-dir, or one "
+        "Weights & Biases or MLflow run per job, continued by every restart (its id: CKPT_DIR/tracker.json)")
+{%- else %}
+    tracker: Literal["tensorboard", "none"] = option(
+        "tensorboard", "whether rank 0 also writes each row as TensorBoard event files in --log-dir")
+{%- endif %}
+    progress_bar: bool | None = option(None, "tqdm progress bar on rank 0 (default: only when stderr is a terminal)")
+
 
 # Dense bf16 peak FLOP/s per GPU, for model FLOPs utilisation (MFU); a GPU not listed gets no MFU figure.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "L4": 121e12}

@@ -24,11 +24,14 @@ import socket
 import threading
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .engine.checkpoint.folder import TRACKER_RECORD, write_json
-from .engine.distributed import DistEnv
-from .options import TrainOptions, every_option
+from .checkpoint.folder import TRACKER_RECORD, write_json
+from .cli import every_option
+from .distributed import DistEnv
+
+if TYPE_CHECKING:  # for annotations only: the engine imports nothing around it
+    from ..options import TrainOptions
 
 log = logging.getLogger(__name__)
 
