@@ -31,7 +31,7 @@ DEFAULT_FILES = {
     ".cookiecutter.json", ".dockerignore", ".gitignore", "Dockerfile", "MANIFEST.in", "README.md", "pyproject.toml",
     "run_node.sh", "train.py",
     "slurm/train.sbatch",
-    *(f"docs/{name}.md" for name in ("containers-and-schedulers", "experiments", "failures", "monitoring",
+    *(f"docs/{name}.md" for name in ("containers-and-schedulers", "experiments", "failures", "installing", "monitoring",
                                      "performance", "several-machines")),
     *(f"examples/{name}/{file}" for name in ("regression", "dict-batches", "whole-set-metric", "gan", "distillation",
                                              "lora", "two-optimizers", "ema", "loss-weight", "contrastive",
@@ -326,3 +326,41 @@ def test_generated_code_cites_no_template_issue_or_folder(bake):
         for name in project_files(project):
             text = (project / name).read_text()
             assert not re.search(r"\bissues? #?\d+|\bbenchmarks/", text, re.IGNORECASE), name
+
+
+
+def runtime_imports(project: Path, module: Path) -> list[tuple[int, str]]:
+    """(line, dotted name) of every import a module of `project` makes when it runs, relative ones resolved
+    against its package; those under `if TYPE_CHECKING:` (for annotations only) are left out."""
+    import ast
+
+    tree = ast.parse(module.read_text())
+    typing_only = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and getattr(block.test, "id", None) == "TYPE_CHECKING" for node in ast.walk(block)}
+    package = list(module.relative_to(project).parent.parts)
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in typing_only or not isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+            continue
+        base = package[:len(package) - node.level + 1] if node.level else []
+        found += [(node.lineno, ".".join([*base, *([node.module] if node.module else [])]))]
+    return found
+
+
+@pytest.mark.parametrize("answers", ["full", {"task": "language_model", "use_streaming": "yes"},
+                                     {"fault_tolerance": "torchft"}])
+def test_the_engine_imports_nothing_around_it(bake, full_project, answers):
+    # engine/ is what no change touches: a module of it that imported task.py, options.py or spec.py when it
+    # runs would make the fence a fiction (an edit there could break a guarantee, and import circles appear).
+    project = full_project if answers == "full" else bake(**answers, project_name="Fenced In")
+    package = next(project.glob("*/engine")).parent.name
+    modules = sorted((project / package / "engine").rglob("*.py"))
+    assert len(modules) > 20
+    for module in modules:
+        for line, imported in runtime_imports(project, module):
+            parts = imported.split(".")
+            assert parts[0] != package or parts[:2] == [package, "engine"], \
+                f"{module.relative_to(project)}:{line} imports {imported}, outside the engine"

@@ -600,7 +600,7 @@ class GPT(nn.Module):
                 nn.init.normal_(parameter, mean=0.0, std=std)
 
     def shardable_blocks(self) -> list[nn.Module]:
-        """FSDP2 shards one group per transformer block (parallel.py); the rest goes with the root."""
+        """FSDP2 shards one group per transformer block (engine/parallel.py); the rest goes with the root."""
         return list(self.blocks)
 
     def forward(self, tokens: torch.Tensor, cache: list[dict] | None = None) -> torch.Tensor:
