@@ -131,10 +131,10 @@ def test_generated_project_builds_a_wheel_of_its_package(default_project, tmp_pa
     names = zipfile.ZipFile(wheel).namelist()
     assert {f"ddp_training/{name}.py" for name in ("options", "engine/distributed", "engine/checkpoint/__init__")
             } <= set(names)
-    # What the README says `pip install .` gives: the package, nothing else.
+    # What docs/installing.md says `pip install .` gives: the package, nothing else.
     assert {name.split("/")[0] for name in names} == {"ddp_training", "ddp_training-0.1.0.dist-info"}
     assert "`pip install .` (or the wheel `python -m build` makes) installs the `ddp_training` package" in \
-        (default_project / "README.md").read_text()
+        (default_project / "docs" / "installing.md").read_text()
 
 
 def test_sdist_holds_what_the_project_runs_and_its_tests_need(default_project, tmp_path):
