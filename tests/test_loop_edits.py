@@ -17,6 +17,7 @@ import pytest
 import torch
 from helpers import (
     assert_same,
+    assert_the_readme_rebuilds_the_trained_model,
     checkpoint_state,
     example_diff,
     kill_a_worker_and_finish,
@@ -70,6 +71,7 @@ def test_loop_edits_resume_bitwise_after_kill_9_under_fsdp2(edited_project, tmp_
     for state in (expected, resumed):  # the one entry that must differ: where each run kept its checkpoints
         state.get("options", {}).pop("ckpt_dir", None)
     assert_same(resumed, expected)
+    assert_the_readme_rebuilds_the_trained_model(edited_project, tmp_path / "uninterrupted", 24, tmp_path)
     # The edits' state is really there, and really advanced: not a fresh copy saved twice.
     annealed = 1.0
     for _ in range(24):

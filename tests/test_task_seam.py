@@ -24,6 +24,7 @@ from helpers import (
     assert_bitwise_equal,
     assert_project_tests_pass,
     assert_same,
+    assert_the_readme_rebuilds_the_trained_model,
     checkpoint,
     checkpoint_state,
     flags,
@@ -76,6 +77,9 @@ def test_the_regression_example_is_the_whole_change(bake, tmp_path):
                              result.stderr)
     assert len(evaluations) == 20, result.stderr  # one per epoch, every held-out row counted once
     assert float(evaluations[-1][1]) < 0.2 < float(evaluations[0][1]), evaluations
+    newest = max(int(path.stem.split("-")[1]) for path in (project / "checkpoints").glob("step-*.pt"))
+    assert_the_readme_rebuilds_the_trained_model(project, project / "checkpoints", newest, tmp_path)  # a builder
+    # sized from its data: the table's columns
 
     assert_project_tests_pass(project)
 
@@ -197,13 +201,12 @@ optimizers = {name: torch.optim.SGD(getattr(model, name).parameters(), lr=0.1) f
 amp = MixedPrecision("fp32", cpu)
 
 
-def update(optimizer, number):  # train.py's, less clipping and the non-finite check
+def optimizer_step(optimizer, number):  # train.py's, less clipping and the non-finite check
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
     return torch.zeros(())
 
 
-step = Step(networks, model, optimizers, amp, SimpleNamespace(), NonFiniteGuard(0, amp, cpu), update)
+step = Step(networks, model, optimizers, amp, SimpleNamespace(), NonFiniteGuard(0, amp, cpu), optimizer_step)
 
 
 def generator_loss(networks, batch):
@@ -371,6 +374,7 @@ def trains_learns_and_resumes_bitwise_after_kill_9(project: Path, tmp_path: Path
     final = max(int(path.stem.split("-")[1]) for path in (tmp_path / "uninterrupted").glob("step-*.pt"))
     resumed, expected = checkpoint(tmp_path / "killed", final), checkpoint(tmp_path / "uninterrupted", final)
     assert_bitwise_equal(resumed, expected)  # each rank's generator state among them
+    assert_the_readme_rebuilds_the_trained_model(project, tmp_path / "uninterrupted", final, tmp_path)
     rows = metric_rows(tmp_path / "logs")
     losses = [row["loss"] for row in rows if row["kind"] == "train"]
     assert losses[-1] < 0.7 * losses[0], losses  # the smoke tests' own bar: learnable in a few dozen steps
@@ -453,6 +457,7 @@ def test_the_curriculum_example_learns_its_stage_and_resumes_it_after_kill_9_and
     output = kill_a_worker_and_finish(killed, tmp_path / "killed" / "step-16.pt")
     assert "step 16: data_stage 1" in output.split("restart=1", 1)[1], output[-4000:]
     assert_bitwise_equal(checkpoint(tmp_path / "killed", 48), checkpoint(tmp_path / "uninterrupted", 48))
+    assert_the_readme_rebuilds_the_trained_model(project, tmp_path / "uninterrupted", 48, tmp_path)
     # 1 rank of 32 samples from step 16: the same global batch and stages, the loader in the training process.
     resized = tmp_path / "resized"
     resized.mkdir()
@@ -578,6 +583,7 @@ def test_the_whole_set_metric_example_gathers_every_row_once(bake, tmp_path):
     evaluations = [row for row in rows if row["kind"] == "eval"]  # after epoch 0 and at the end
     assert len(evaluations) == 2 and all(row["samples"] == 129 and 0.5 < row["auc"] <= 1 for row in evaluations), \
         evaluations
+    assert_the_readme_rebuilds_the_trained_model(project, tmp_path / "ckpt", 24, tmp_path)
 
 
 SHAPES = {"adversarial": "gan", "distilled": "distillation", "lora": "lora"}  # --model: its example
@@ -620,6 +626,7 @@ def test_networks_stepped_in_turn_and_a_frozen_teacher_need_task_py_alone(bake, 
     assert own.returncode == 0 and re.search(r"\b2 passed\b", own.stdout), own.stdout[-4000:]
     steps = (task_field(project, "smoke_test_learning") or (20,))[0]  # as the project's tests run it
     uninterrupted = checkpoint_state(tmp_path / "own" / "checkpoints0", steps, tmp_path)
+    assert_the_readme_rebuilds_the_trained_model(project, tmp_path / "own" / "checkpoints0", steps, tmp_path)
     killed = start_job(project, [*smoke_test_args(project), "--strategy", "fsdp2", *flags(
         ckpt_dir=tmp_path / "fsdp2", stop_at_step=steps, ckpt_every=2, log_every=1)], max_restarts=1)
     output = kill_a_worker_and_finish(killed, tmp_path / "fsdp2" / "step-2")  # a checkpoint every 2: an early kill
@@ -724,6 +731,7 @@ def test_a_contrastive_loss_logs_its_temperature_keeps_its_clamp_and_says_what_i
     for state in (resumed, final):
         state["options"].pop("ckpt_dir"), state["options"].pop("log_dir")
     assert_same(resumed, final)
+    assert_the_readme_rebuilds_the_trained_model(project, tmp_path / "ddp", 24, tmp_path)
     # FSDP2: the gathered features, the temperature (a 1-element parameter, sharded) and its clamp as under DDP,
     # up to the order of additions (its gradient norm for --clip-grad is summed shard by shard).
     fsdp2 = run_job(project, [*args, *flags(ckpt_dir=tmp_path / "fsdp2", strategy="fsdp2")])
@@ -816,6 +824,7 @@ def test_a_mixture_of_experts_trains_with_unused_experts_counts_their_shares_and
     for state in (expected, resumed):
         state["options"].pop("ckpt_dir")
     assert_same(resumed, expected)
+    assert_the_readme_rebuilds_the_trained_model(project, tmp_path / "uninterrupted", 24, tmp_path)
 
 
 def test_a_tasks_batches_go_to_the_ranks_in_turn_and_resume_at_a_whole_batch(baked_module, monkeypatch):

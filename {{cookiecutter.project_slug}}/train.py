@@ -28,6 +28,7 @@ from types import SimpleNamespace
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from {{ cookiecutter.package_name }}.engine import tasks
 from {{ cookiecutter.package_name }}.engine.checkpoint import build_checkpointer, check_checkpoint_dir
 from {{ cookiecutter.package_name }}.engine.cli import parse_options, recorded
 from {{ cookiecutter.package_name }}.engine.data import OnDevice, build_loaders, training_steps
@@ -62,16 +63,6 @@ from {{ cookiecutter.package_name }}.engine.replicas import check_replicas_match
 from {{ cookiecutter.package_name }}.engine.reproducibility import seed_and_choose_kernels, seed_per_rank
 from {{ cookiecutter.package_name }}.engine.selection import ModelSelection
 from {{ cookiecutter.package_name }}.engine.task_state import saved_entries
-from {{ cookiecutter.package_name }}.engine.tasks import (
-    build_datasets,
-    build_model,
-    build_state,
-    check_task_options,
-    evaluation_weights,
-    units_in,
-    work_alone,
-    work_every,
-)
 from {{ cookiecutter.package_name }}.engine.watchdog import EXIT_CODE_AFTER_SIGTERM, StopAgreement, Watchdog
 from {{ cookiecutter.package_name }}.options import TrainOptions
 {% if cookiecutter.use_profiling == "yes" -%}
@@ -133,10 +124,10 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     watchdog = Watchdog(env, store, options.watchdog.step_timeout, options.watchdog.io_timeout)
     stop = StopAgreement(side_group())
     seed_and_choose_kernels(options.seed, options.deterministic, env, device)  # cuDNN autotuning, or not
-    train_set, eval_set = build_datasets(task, options, env, device)
+    train_set, eval_set = tasks.build_datasets(task, options, env, device)
     train_loader, eval_loader = build_loaders(train_set, eval_set, options, env, device, task.collate, task.batches{% if cookiecutter.fault_tolerance == "torchft" %},
                                               train_env=data_env{% endif %})
-    model = build_model(task, options, train_set).to(device)
+    model = tasks.build_model(task, options, train_set).to(device)
     # The model is the same everywhere; now each rank draws its own numbers.
     seed_per_rank(options.seed, {% if cookiecutter.fault_tolerance == "torchft" %}data_env{% else %}env{% endif %}, device)
     channels_last = uses_channels_last(model, device, options.channels_last)
@@ -154,9 +145,9 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     optimizers = task.build_optimizer(model, options)  # after wrapping: FSDP2 swaps in sharded parameters
     nonfinite = NonFiniteGuard(options.skip_nonfinite, amp, device)  # a NaN loss stops the job (or is skipped)
 
-    def update(optimizer: torch.optim.Optimizer, number: int) -> torch.Tensor:
-        """The optimizer step, each step.update() below or in a task's training_step. Returns the gradient norm
-        before clipping."""
+    def optimizer_step(optimizer: torch.optim.Optimizer, number: int) -> torch.Tensor:
+        """The optimizer step, which step.update() takes (below, or in a task's training_step). Returns the gradient
+        norm before clipping. Every optimizer's gradients are zeroed when the training step ends (Step.run)."""
         amp.scaler.unscale_(optimizer)  # true gradients for the norm and clipping (a no-op unless fp16)
         parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, options.clip_grad or math.inf)
@@ -167,10 +158,9 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
         if nonfinite.allows_update(number, grad_norm):  # else skipped on every rank, or a stop
 {%- endif %}
             amp.scaler.step(optimizer)  # fp16: skips a step whose gradients overflowed
-        optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
-    def loss_step(step: Step, batches: list) -> torch.Tensor:
+    def default_training_step(step: Step, batches: list) -> torch.Tensor:
         """The training step, unless the task gives its own: compute_loss's backward on each micro-batch (with
         --grad-accum, gradients add up and are all-reduced on the last), then every optimizer's update."""
         def loss_of(networks: SimpleNamespace, batch) -> torch.Tensor:
@@ -180,12 +170,12 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
         step.update()
         return loss
 
-    training_step = task.training_step or loss_step
+    training_step = task.training_step or default_training_step
     # The task's own state beside the model (an EMA, say): updated by task.after_step, saved with the rest.
-    task_state = build_state(task, model, options, taken={"model", "optimizer", "lr_schedule", "grad_scaler",
-                                                         "selection", {% if cookiecutter.use_streaming == "yes" %}"stream_position", {% endif %}"batches_position", "learned"{% if cookiecutter.fault_tolerance == "torchft" %},
-                                                         "replica_groups"{% endif %}})
-    step = Step(networks, model, optimizers, amp, options, nonfinite, update, task_state)  # training_step's
+    task_state = tasks.build_state(task, model, options, taken={
+        "model", "optimizer", "lr_schedule", "grad_scaler", "selection", "batches_position",
+        "learned"{% if cookiecutter.use_streaming == "yes" %}, "stream_position"{% endif %}{% if cookiecutter.fault_tolerance == "torchft" %}, "replica_groups"{% endif %}})
+    step = Step(networks, model, optimizers, amp, options, nonfinite, optimizer_step, task_state)  # what a task sees
     optimizer = step.optimizer  # every optimizer as one: scaled by the lr schedule, saved by checkpoints
     # Over samples seen, not steps: a job resumed on another number of ranks continues the same curve.
     # It spans the run (--max-steps, else --epochs) and says where it ends: `run_samples`.
@@ -228,7 +218,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     meter = build_meter(options, env, device, planned, done_steps=progress.step, unit=task.throughput_unit,
                         flops_per_unit=task.model_flops_per_unit(model, options),
                         changed_options=checkpointer.changed_options)
-    rank_0_every = work_every(task, options)  # 0: the task has no work for rank 0 alone
+    rank_0_every = tasks.work_every(task, options)  # 0: the task has no work for rank 0 alone
     stop_requested = False
 
     # Each step's micro-batches, epoch after epoch from where progress stands; None where an epoch has ended.
@@ -236,7 +226,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
     while True:
         # Before the next step: the evaluation due (of an interval, an epoch, the run, or one a SIGTERM cut short).
         if progress.evaluation_due and not stop_requested:
-            with watchdog.slow_phase("evaluating"), evaluation_weights(task, model, task_state):
+            with watchdog.slow_phase("evaluating"), tasks.evaluation_weights(task, model, task_state):
                 results = evaluate(model, eval_loader, device, amp, task,
                                    stop=lambda: stop.agreed_now(watchdog.sigterm_received))
             if results is None:  # SIGTERM reached some rank: saved as still due, evaluated on resume
@@ -270,7 +260,7 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
                                        number=progress.step + 1)
             amp.scaler.update()  # once a step, after every optimizer stepped: the fp16 scale for the next
             task.after_step(step)  # the task's state after the update: an EMA, a momentum encoder
-            meter.update(loss, sum(units_in(task, micro_batch) for micro_batch in batches),
+            meter.update(loss, sum(tasks.units_in(task, micro_batch) for micro_batch in batches),
                          step.logged_means())  # with what the task gave step.log(...), after_step's included
             progress.advance(samples)
             meter.end_step(progress, lr, grad_norm)
@@ -280,9 +270,10 @@ def train(options: TrainOptions, task: Task, env: DistEnv, device: torch.device,
             watchdog.beat(progress.step)
             if rank_0_every and progress.step % rank_0_every == 0:  # samples, a figure: Task.rank_0_work's
                 with watchdog.slow_phase("the task's work on rank 0"), meter.excluded():
-                    work_alone(task, step, env, device)
-            if progress.step == first_step and check_replicas_match(model, progress.step, step.without_gradient):
-                log.info("step %d: every rank holds the same parameters", progress.step)  # again at each save
+                    tasks.work_alone(task, step, env, device)
+            if progress.step == first_step:  # the replica check: one model on every rank (again at each save)
+                if check_replicas_match(model, progress.step, step.without_gradient):  # else the job has stopped
+                    log.info("step %d: every rank holds the same parameters", progress.step)
             stop_requested = stop.agreed(watchdog.sigterm_received)  # SIGTERM reached some rank: same step on all
         # After each step and each epoch's end, what is due: an evaluation, a checkpoint (before that evaluation:
         # one that fails loses no training).
@@ -328,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
         record_memory_history(options.profiling, options.logging.log_dir, device, env)  # from before the model is built
 {%- endif %}
         # Bad input fails here, on every rank, before any process group or download starts.
-        check_task_options(task, options)
+        tasks.check_task_options(task, options)
 {%- if cookiecutter.fault_tolerance == "torchft" %}
         groups = ReplicaGroups(options.replica_groups, env) if options.replica_groups else None
         if groups is not None:

@@ -19,6 +19,7 @@ from .jobs import (
 )
 from .projects import (
     assert_project_tests_pass,
+    assert_the_readme_rebuilds_the_trained_model,
     example_diff,
     main_in_this_process,
     make_image_folder,
@@ -57,6 +58,7 @@ __all__ = [
     "build_wheel",
     "make_image_folder",
     "assert_project_tests_pass",
+    "assert_the_readme_rebuilds_the_trained_model",
     "smoke_test_args",
     "task_field",
     "example_diff",

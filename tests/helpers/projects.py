@@ -96,3 +96,33 @@ def main_in_this_process(baked_train, args: list[str], capsys) -> subprocess.Com
     assert "watchdog" not in [thread.name for thread in threading.enumerate()], "ended before train()"
     output = capsys.readouterr()
     return subprocess.CompletedProcess(args, status, output.out, output.err)
+
+
+REBUILT_AS_SAVED = """
+import sys
+
+import torch
+
+saved = torch.load(sys.argv[2], weights_only=True)["model"]
+state = model.state_dict()
+assert not model.training and state.keys() == saved.keys(), (sorted(state), sorted(saved))
+assert all(torch.equal(state[name], saved[name]) for name in saved), "other weights"
+print("rebuilt", len(saved))
+"""
+
+
+def assert_the_readme_rebuilds_the_trained_model(project: Path, ckpt_dir: Path, step: int, scratch: Path) -> None:
+    """The README's inference recipe, run as written in a plain process on `ckpt_dir` (its newest checkpoint: step
+    `step`, a DDP file or an FSDP2 folder), gives the model that checkpoint holds: rebuilt from its recorded options
+    and training set, in eval mode, with the weights as trained."""
+    from .checkpoints import checkpoint_state
+
+    recipe = readme_block(project, "python", "For inference, one call rebuilds")
+    assert 'trained_model(TASK, TrainOptions, "checkpoints")' in recipe, recipe
+    script = "import sys\n" + recipe.replace('"checkpoints")', "sys.argv[1], trained=True)") + REBUILT_AS_SAVED
+    whole = ckpt_dir / f"step-{step}.pt"
+    if not whole.exists():  # an FSDP2 folder, made one file by torch's converter
+        checkpoint_state(ckpt_dir, step, scratch)
+        whole = scratch / f"{ckpt_dir.name}-{step}.pt"
+    result = run(["python", "-c", script, str(ckpt_dir), str(whole)], cwd=project)
+    assert result.returncode == 0 and "rebuilt" in result.stdout, result.stdout + result.stderr[-3000:]

@@ -49,13 +49,13 @@ class Step:
     each network: one forward with gradients per backward (to score real and generated samples, concatenate them),
     and a network used without gradients (the generator in the critic's loss) runs under torch.no_grad(), not with
     its output .detach()ed, which leaves DDP waiting for a backward that never comes.
-    update(*names): those optimizers (none named: every one) take train.py's optimizer step (its `update`), each
-    in turn: gradients unscaled (fp16), clipped (--clip-grad, over their parameters), checked (a NaN or inf loss
-    or gradient norm: skipped or the job stops; one small all-reduce and host sync per update), stepped, zeroed.
-    Each optimizer once a step at most (the fp16 gradient scaler's rule; a critic stepped five times per
-    generator step takes five steps, the generator's when step.number % 5 == 0). Gradients a backward left on a
-    network whose optimizer did not step (the critic's, from the generator's loss) are zeroed when the step
-    ends. Every rank must call these in the same order: they hold collectives."""
+    update(*names): those optimizers (none named: every one) take train.py's `optimizer_step`, each in turn:
+    gradients unscaled (fp16), clipped (--clip-grad, over their parameters), checked (a NaN or inf loss or
+    gradient norm: skipped or the job stops; one small all-reduce and host sync per update), stepped. Each
+    optimizer once a step at most (the fp16 gradient scaler's rule; a critic stepped five times per generator
+    step takes five steps, the generator's when step.number % 5 == 0). Every gradient is zeroed once, when the
+    step ends (the critic's from the generator's loss too). Every rank must call these in the same order: they
+    hold collectives."""
 
     def __init__(self, networks: SimpleNamespace, model: torch.nn.Module,
                  built: torch.optim.Optimizer | dict[str, torch.optim.Optimizer], amp: MixedPrecision,

@@ -127,17 +127,32 @@ def parse_options(argv: list[str] | None, options_class: type, task_options: typ
     if namespace.pop("deprecated_local_rank") is not None:
         logging.getLogger(__name__).warning(
             "--local-rank is ignored: torchrun sets LOCAL_RANK in the environment, which wins")
-    def values(specs) -> dict[str, Any]:
-        return {spec.name: namespace[spec.name] for spec in specs}
-    (_, _, _, own), *groups = training_concerns(options_class)
-    options = options_class(**values(own), **{attribute: kind(**values(specs)) for attribute, _, kind, specs in groups},
-                           task=task_options(**values(dataclasses.fields(task_options))))
+    options = options_from(namespace, options_class, task_options)
     options.check()
     if print_config:
         if os.environ.get("RANK", "0") == "0":  # once, also under torchrun
             print(config_text(options), end="")
         raise SystemExit(0)
     return options
+
+
+def options_from(values: dict[str, Any], options_class: type, task_options: type) -> Any:
+    """options_class (TrainOptions) with its concerns and the task's options in .task, from values by field name."""
+    def fields(specs) -> dict[str, Any]:
+        return {spec.name: values[spec.name] for spec in specs}
+    (_, _, _, own), *groups = training_concerns(options_class)
+    return options_class(**fields(own), **{attribute: kind(**fields(specs)) for attribute, _, kind, specs in groups},
+                         task=task_options(**fields(dataclasses.fields(task_options))))
+
+
+def recorded_options(record: dict[str, Any], options_class: type, task_options: type,
+                     training_defaults: dict[str, Any] | None = None) -> Any:
+    """The options a checkpoint recorded (every_option's dict, by name) as options_class, as the run had them: a
+    name this code no longer has is left out, one added since takes its default."""
+    parser = build_parser(options_class, task_options, training_defaults or {})
+    namespace = vars(parser.parse_args([]))
+    return options_from({**namespace, **{name: value for name, value in record.items() if name in namespace}},
+                        options_class, task_options)
 
 
 def read_config(path: str, parser: argparse.ArgumentParser, may_be_none: set[str]) -> dict[str, Any]:

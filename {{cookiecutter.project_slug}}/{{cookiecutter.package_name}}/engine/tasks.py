@@ -8,6 +8,7 @@ import contextlib
 import difflib
 import functools
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -129,6 +130,25 @@ def build_model(task: Task, options: TrainOptions, train_set: Dataset | None) ->
     check_every_module_is_registered(model)
     log.info("%s", describe_parameters(model))
     return model
+
+def trained_model(task: Task, options_class: type, checkpoint: str | Path, trained: bool = False) -> nn.Module:
+    """The model a checkpoint holds, rebuilt in one plain process (no torchrun; CPU) for inference: `checkpoint` is
+    a --ckpt-dir (its newest whole checkpoint), a step-<N>.pt file or a step-<N>/ folder. The options are the ones
+    its run recorded (options_class: TrainOptions), the training set is built as that run built it (a model sized
+    from its data: a vocabulary, the columns of a table), and the weights are those evaluation used (the state
+    entry evaluate_with names: an EMA), or with `trained` the weights as trained. In eval mode."""
+    from .checkpoint.weights import load_checkpoint, newest_checkpoint
+    from .cli import recorded_options
+
+    checkpoint = Path(checkpoint)
+    if checkpoint.is_dir() and not (checkpoint / ".metadata").exists():
+        checkpoint = newest_checkpoint(checkpoint)
+    weights, record, _ = load_checkpoint(checkpoint, None if trained else task.evaluate_with)
+    options = recorded_options(record, options_class, task.options, task.training_defaults)
+    model = build_model(task, options, task.datasets[options.task.data](options)[0])
+    model.load_state_dict(weights)
+    return model.eval()
+
 
 def model_builder(task: Task, name: str) -> ModelBuilder | None:
     if name not in task.models and task.more_models is not None:
