@@ -97,6 +97,7 @@ class TrainingProgress:
         self.step += 1
         self.samples_in_epoch += samples
         self.samples_seen += samples
+
     def finished(self, options: TrainOptions, run_samples: int | None) -> bool:
         """Once `run_samples` samples are trained (--max-steps' at the world size the run started on: a resize
         ends it where its lr schedule ends), else after --epochs; or after --stop-at-step."""
@@ -341,6 +342,7 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as error:
         end_attempt_after(error, crashes, env or DistEnv())  # a lost peer or a repeated bug: one line at most
         raise
+
 
 if __name__ == "__main__":
     # Importing torch made half a million objects that live as long as the process. Python's cycle collector

@@ -234,6 +234,7 @@ def check_coupled_batch(couples: str | None, keep: bool, model: torch.nn.Module,
         raise UsageError(f"{line} (Task.keep_coupled_batch)")
     log.warning("%s", line)
 
+
 class LearningRateSchedule:
     """The lr as a function of the samples trained on (all ranks together), not of the optimizer step.
 

@@ -67,6 +67,7 @@ def check_task_options(task: Task, options: TrainOptions) -> None:
                          f"steps; it holds {every!r}: give it an int option, >= 1 (0: never)")
     task.check_options(options)
 
+
 def work_every(task: Task, options: TrainOptions) -> int:
     """After how many optimizer steps rank_0_work's work runs again; 0: never."""
     if task.rank_0_work is None:
@@ -74,12 +75,14 @@ def work_every(task: Task, options: TrainOptions) -> int:
     every = task.rank_0_work[0]
     return getattr(options.task, every, None) if isinstance(every, str) else every
 
+
 def build_datasets(task: Task, options: TrainOptions, env: DistEnv, device: torch.device) -> tuple[Dataset, Dataset]:
     prepare = task.prepare_data.get(options.task.data)
     if prepare is not None:
         run_once_per_storage(options.task.data_dir, env, device, lambda: prepare(options),
                              what=f"preparing --data {options.task.data} in {options.task.data_dir}")
     return task.datasets[options.task.data](options)
+
 
 def build_state(task: Task, model: nn.Module, options: TrainOptions, taken: set[str]) -> dict[str, Any]:
     """The task's state (Task.state), checked: every entry saveable, none named like one of `taken` (the
@@ -101,11 +104,13 @@ def build_state(task: Task, model: nn.Module, options: TrainOptions, taken: set[
                          "Task(state=...) with swapped_into(model)")
     return state
 
+
 def evaluation_weights(task: Task, model: nn.Module, state: dict[str, Any]) -> contextlib.AbstractContextManager:
     """The weights evaluation runs with: the state entry evaluate_with names, swapped into the model."""
     if task.evaluate_with is None:
         return contextlib.nullcontext(model)
     return state[task.evaluate_with].swapped_into(model)
+
 
 def work_alone(task: Task, step: Any, env: DistEnv, device: torch.device) -> None:
     """Task.rank_0_work's work after step.number: on rank 0, with a generator of its own, the model with the
@@ -125,11 +130,13 @@ def work_alone(task: Task, step: Any, env: DistEnv, device: torch.device) -> Non
                     module.train(training)
         barrier(device)
 
+
 def build_model(task: Task, options: TrainOptions, train_set: Dataset | None) -> nn.Module:
     model = model_builder(task, options.task.model)(options, train_set)
     check_every_module_is_registered(model)
     log.info("%s", describe_parameters(model))
     return model
+
 
 def trained_model(task: Task, options_class: type, checkpoint: str | Path, trained: bool = False) -> nn.Module:
     """The model a checkpoint holds, rebuilt in one plain process (no torchrun; CPU) for inference: `checkpoint` is
@@ -154,6 +161,7 @@ def model_builder(task: Task, name: str) -> ModelBuilder | None:
     if name not in task.models and task.more_models is not None:
         return task.more_models().get(name)
     return task.models.get(name)
+
 
 def unknown_name(task: Task, kind: str, name: str, builders: dict) -> str:
     close = difflib.get_close_matches(name, list(builders), n=3)
