@@ -994,9 +994,10 @@ def lora_base(options: TrainOptions) -> GPT:
     base = gpt(options, None)
     if options.task.base:
         weights, saved, _ = load_checkpoint(Path(options.task.base))
+        expected = {**vars(options.task), "model": "gpt"}  # a gpt of this run's shape
         shape = ("model", "vocab_size", "tokenizer", "block_size", "n_layer", "n_head", "n_embd")
         differs = [f"--{name.replace('_', '-')} {saved.get(name)}" for name in shape
-                   if saved.get(name) != {**vars(options.task), "model": "gpt"}[name]]
+                   if saved.get(name) != expected[name]]
         if differs:
             raise UsageError(f"--base {options.task.base} was trained with {', '.join(differs)}; train --model lora "
                              "with its flags, or give a gpt checkpoint of this shape")
@@ -1093,11 +1094,12 @@ def mixture(options: TrainOptions, train_set: Dataset) -> nn.Module:
     (LM_COMPUTE_LOSS_END, '''    Step): its number (1 for the first), the options (the task's as step.options.task), the plain model. A mixture
     of experts adds each block's load-balancing loss, their mean logged as `balance`."""
     loss = logits_and_loss(model, batch)[1]
-    balance = [block.mlp.balance_loss for block in step.model.blocks if isinstance(block.mlp, MixtureOfExperts)]
-    if not balance:
+    losses = [block.mlp.balance_loss for block in step.model.blocks if isinstance(block.mlp, MixtureOfExperts)]
+    if not losses:
         return loss
-    step.log(balance=torch.stack(balance).mean())
-    return loss + step.options.task.balance_weight * torch.stack(balance).mean()
+    balance = torch.stack(losses).mean()
+    step.log(balance=balance)
+    return loss + step.options.task.balance_weight * balance
 '''),
     ('    models={"gpt": gpt},\n', '    models={"gpt": gpt, "moe": mixture},\n'),
     (LM_SMOKE_ARGS, lm_smoke_args("moe")),

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .engine.checkpoint.folder import BEST_RECORD, every_checkpoint
-from .engine.checkpoint.weights import is_whole, load_checkpoint, newest_checkpoint
+from .engine.checkpoint.weights import checkpoint_at, is_whole, load_checkpoint
 from .task import TASK, TaskOptions
 
 
@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     checkpoint = args.checkpoint
     if args.best:
         checkpoint = best_checkpoint(checkpoint)
-    elif checkpoint.is_dir() and not (checkpoint / ".metadata").exists():
-        checkpoint = newest_checkpoint(checkpoint)
+    else:
+        checkpoint = checkpoint_at(checkpoint)
     evaluated = None if args.trained else TASK.evaluate_with  # what every evaluation used: an EMA, say
     weights, options, step = load_checkpoint(checkpoint, evaluated)
     task_options = {spec.name: options[spec.name] for spec in dataclasses.fields(TaskOptions) if spec.name in options}

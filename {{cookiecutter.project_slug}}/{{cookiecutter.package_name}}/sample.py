@@ -50,7 +50,7 @@ def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, temperatu
 
 
 def main(argv: list[str] | None = None) -> None:
-    from .engine.checkpoint.weights import load_checkpoint, newest_checkpoint
+    from .engine.checkpoint.weights import checkpoint_at, load_checkpoint
     from .engine.tasks import build_model
     from .task import TASK, TaskOptions, text_codec
 
@@ -71,9 +71,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {args.checkpoint} does not exist; pass a --ckpt-dir, step-<N>.pt or step-<N>/")
     if args.max_new_tokens < 1 or args.temperature < 0 or (args.top_k is not None and args.top_k < 1):
         sys.exit("error: --max-new-tokens and --top-k must be >= 1, --temperature >= 0")
-    checkpoint = args.checkpoint
-    if checkpoint.is_dir() and not (checkpoint / ".metadata").exists():
-        checkpoint = newest_checkpoint(checkpoint)
+    checkpoint = checkpoint_at(args.checkpoint)
     weights, saved, step = load_checkpoint(checkpoint, None if args.trained else TASK.evaluate_with)
     fields = [spec.name for spec in dataclasses.fields(TaskOptions)]
     options = SimpleNamespace(task=TaskOptions(**{name: saved[name] for name in fields if name in saved}))

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from .checkpoint.weights import checkpoint_at, load_checkpoint
+from .cli import recorded_options
 from .collectives import barrier, run_once_per_storage
 from .data import tensors_in
 from .distributed import DistEnv
@@ -144,13 +146,7 @@ def trained_model(task: Task, options_class: type, checkpoint: str | Path, train
     its run recorded (options_class: TrainOptions), the training set is built as that run built it (a model sized
     from its data: a vocabulary, the columns of a table), and the weights are those evaluation used (the state
     entry evaluate_with names: an EMA), or with `trained` the weights as trained. In eval mode."""
-    from .checkpoint.weights import load_checkpoint, newest_checkpoint
-    from .cli import recorded_options
-
-    checkpoint = Path(checkpoint)
-    if checkpoint.is_dir() and not (checkpoint / ".metadata").exists():
-        checkpoint = newest_checkpoint(checkpoint)
-    weights, record, _ = load_checkpoint(checkpoint, None if trained else task.evaluate_with)
+    weights, record, _ = load_checkpoint(checkpoint_at(Path(checkpoint)), None if trained else task.evaluate_with)
     options = recorded_options(record, options_class, task.options, task.training_defaults)
     model = build_model(task, options, task.datasets[options.task.data](options)[0])
     model.load_state_dict(weights)

@@ -24,6 +24,12 @@ def newest_checkpoint(ckpt_dir: Path) -> Path:
     raise SystemExit(f"error: no checkpoint in {ckpt_dir}; pass a step-<N>.pt file or step-<N>/ folder")
 
 
+def checkpoint_at(path: Path) -> Path:
+    """`path` if it is a checkpoint (a step-<N>.pt file or a step-<N>/ folder with DCP's .metadata), else the
+    newest whole checkpoint of the --ckpt-dir it names."""
+    return newest_checkpoint(path) if path.is_dir() and not (path / ".metadata").exists() else path
+
+
 def load_checkpoint(checkpoint: Path, weights: str | None = None) -> tuple[dict[str, torch.Tensor], dict, int]:
     """(the model's full state_dict, the options the run had, its step) from either kind of checkpoint; with
     `weights`, the name of a task state entry (an EMA) whose tensors replace the model's of the same names."""
